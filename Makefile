@@ -1,0 +1,32 @@
+# Quick start: `make demo`, `make test`. Everything runs in .venv (scripts/bootstrap.sh).
+PY := .venv/bin/python
+ARGS ?=
+PYTEST_FLAGS ?= -q -p no:cacheprovider --durations=15
+
+.PHONY: bootstrap demo test bench lint clean
+
+bootstrap:
+	@bash scripts/bootstrap.sh test
+
+demo: bootstrap
+	$(PY) -m shardkit.demo
+
+# pytest's exit 5 means "no tests collected": a failure here, said out loud.
+test: bootstrap
+	@rc=0; $(PY) -m pytest $(PYTEST_FLAGS) $(ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: FAILED: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+bench:
+	@bash scripts/bootstrap.sh bench
+	$(PY) -m benchmarks.run $(ARGS)
+
+lint: bootstrap
+	@if $(PY) -c 'import mypy' 2>/dev/null; then \
+		$(PY) -m mypy shardkit; \
+	else \
+		echo "lint: mypy is not installed in .venv (.venv/bin/pip install mypy); skipped"; \
+	fi
+
+clean:
+	rm -rf .venv build dist *.egg-info .pytest_cache .mypy_cache .hypothesis
