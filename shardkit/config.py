@@ -1,0 +1,47 @@
+"""Option parsing: sizes like ``"512MB"``, and defaults.
+
+Explicit arguments always win over the environment; the environment is read when a function
+is called, never at import time.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+DEFAULT_SHARD_BYTES = 512 * 10**6
+DEFAULT_TASK_BYTES = 2 * 10**9
+
+
+def parse_size(value: int | float | str, option: str) -> int:
+    """Parse ``512MB``, ``1.5GiB``, ``4096`` into bytes; ConfigError naming ``option`` if bad."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{option}: expected a size like '512MB', got {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = _SIZE.match(str(value))
+        unit = m.group(2).upper() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"{option}: expected a size like '512MB' or '2GiB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"{option}: size must be positive, got {value!r}")
+    return n
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

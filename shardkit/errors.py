@@ -1,0 +1,52 @@
+"""Exception hierarchy.
+
+Every error shardkit raises derives from :class:`ShardkitError` and also from the built-in
+exception users already catch (``FileNotFoundError``, ``ValueError``, ...). Backend errors are
+translated and kept as ``__cause__``. Messages are one line and name the object at fault.
+"""
+
+from __future__ import annotations
+
+
+class ShardkitError(Exception):
+    """Base class of every shardkit error."""
+
+
+class ConfigError(ShardkitError, ValueError):
+    """A bad option or argument (names the option)."""
+
+
+class SourceError(ShardkitError, ValueError):
+    """The pack source is missing, empty or holds unreadable/bad input (names the file)."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """The pack source does not exist."""
+
+
+class DatasetNotFoundError(ShardkitError, FileNotFoundError):
+    """No committed dataset (no dataset.json) at a URL."""
+
+
+class DatasetExistsError(ShardkitError, FileExistsError):
+    """The destination already holds a dataset, or another pack committed first."""
+
+
+class ManifestError(ShardkitError, ValueError):
+    """The manifest is malformed or disagrees with itself."""
+
+
+class IntegrityError(ShardkitError, ValueError):
+    """Bytes on storage or in the cache disagree with the manifest (names shard/sample)."""
+
+
+class UnsafeTarError(ShardkitError, ValueError):
+    """A tar from outside holds a member we refuse (traversal, link, device, bad size)."""
+
+
+class StorageError(ShardkitError, OSError):
+    """Storage could not be reached or refused the request (no secrets in the message)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """Storage refused the credentials."""

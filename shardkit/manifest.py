@@ -1,0 +1,204 @@
+"""Format v1 manifest: the Arrow schemas, writing fragments, committing dataset.json.
+
+Layout under a dataset root::
+
+    dataset.json                 commit marker, written last (create-only)
+    shards/shard-NNNNNN.tar      WebDataset shards
+    manifest/shards.parquet      one row per shard
+    manifest/samples-NNNNN.parquet  one row per sample, one file per pack task, one row group per shard
+
+``shards.parquet`` carries two columns beyond the v1 minimum, ``samples_file`` and
+``samples_row_group``, so a reader fetches exactly the row group of the shard it opens
+instead of scanning every fragment footer.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from . import __version__
+from .errors import ManifestError
+from .storage import Store
+from .writer import SampleRows, ShardRecord
+
+FORMAT = "shardkit"
+VERSION = 1
+DATASET_JSON = "dataset.json"
+SHARDS_PARQUET = "manifest/shards.parquet"
+
+FIELD_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
+
+SAMPLE_COLUMNS = pa.schema([
+    ("key", pa.string()),
+    ("shard", pa.int32()),
+    ("offset", pa.int64()),
+    ("size", pa.int64()),
+    ("fields", pa.list_(FIELD_TYPE)),
+    ("checksum", pa.uint64()),
+])
+
+SHARD_SCHEMA = pa.schema([
+    ("shard", pa.int32()),
+    ("path", pa.string()),
+    ("num_samples", pa.int64()),
+    ("bytes", pa.int64()),
+    ("first_sample", pa.int64()),
+    ("checksum", pa.string()),
+    ("samples_file", pa.string()),
+    ("samples_row_group", pa.int32()),
+])
+
+
+def fragment_name(task: int) -> str:
+    return f"manifest/samples-{task:05d}.parquet"
+
+
+def sample_table(rows: SampleRows) -> pa.Table:
+    """Arrow table of sample rows: the v1 columns, then user metadata columns."""
+    base = pa.table({
+        "key": pa.array(rows.key, pa.string()),
+        "shard": pa.array(rows.shard, pa.int32()),
+        "offset": pa.array(rows.offset, pa.int64()),
+        "size": pa.array(rows.size, pa.int64()),
+        "fields": pa.array(rows.fields, pa.list_(FIELD_TYPE)),
+        "checksum": pa.array(rows.checksum, pa.uint64()),
+    })
+    meta_names = sorted({k for m in rows.meta for k in m})
+    for name in meta_names:
+        if name in SAMPLE_COLUMNS.names:
+            raise ManifestError(f"metadata column {name!r} clashes with a manifest column")
+        try:
+            column = pa.array([m.get(name) for m in rows.meta])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise ManifestError(f"metadata column {name!r} mixes incompatible types: {exc}") from exc
+        base = base.append_column(name, column)
+    return base
+
+
+def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[ShardRecord],
+                   extra_metadata: dict[str, str] | None = None) -> list[int]:
+    """Write one samples fragment with one row group per shard (in shard order).
+
+    Returns the row-group index of each shard in ``shards``. ``extra_metadata`` lands in the
+    Parquet key-value metadata (pack uses it to record the shards a task completed).
+    """
+    table = sample_table(rows)
+    if extra_metadata:
+        meta = dict(table.schema.metadata or {})
+        meta.update({k.encode(): v.encode() for k, v in extra_metadata.items()})
+        table = table.replace_schema_metadata(meta)
+    buf = io.BytesIO()
+    shard_col = table.column("shard").to_numpy() if len(table) else None
+    with pq.ParquetWriter(buf, table.schema, compression="zstd") as pw:
+        start = 0
+        for rec in shards:
+            n = rec.num_samples
+            if not n:
+                continue  # an empty shard (every input skipped) has no row group
+            if shard_col is None or shard_col[start] != rec.shard or shard_col[start + n - 1] != rec.shard:
+                raise ManifestError(f"fragment {name}: rows out of shard order at shard {rec.shard}")
+            pw.write_table(table.slice(start, n), row_group_size=n)  # one row group per shard
+            start += n
+    data = buf.getvalue()
+    store.put_bytes(name, data)
+    return _row_groups_of(data, shards)
+
+
+def _row_groups_of(data: bytes, shards: Sequence[ShardRecord]) -> list[int]:
+    # Empty shards write no row group; map each shard to its real row-group index (-1 if empty).
+    md = pq.ParquetFile(io.BytesIO(data)).metadata
+    by_shard: dict[int, int] = {}
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        if rg.num_rows:
+            stats = rg.column(1).statistics
+            if stats is None or not stats.has_min_max:
+                raise ManifestError("fragment row group without shard statistics")
+            by_shard[int(stats.min)] = g
+    return [by_shard.get(s.shard, -1) for s in shards]
+
+
+def shards_table(records: Sequence[ShardRecord], samples_files: Sequence[str], row_groups: Sequence[int]) -> pa.Table:
+    """manifest/shards.parquet rows in shard order, with global first_sample filled in."""
+    order = sorted(range(len(records)), key=lambda i: records[i].shard)
+    first = 0
+    cols: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
+    for expected, i in enumerate(order):
+        rec = records[i]
+        if rec.shard != expected:
+            raise ManifestError(f"shard numbers are not 0..n-1: expected {expected}, found {rec.shard}")
+        cols["shard"].append(rec.shard)
+        cols["path"].append(rec.path)
+        cols["num_samples"].append(rec.num_samples)
+        cols["bytes"].append(rec.bytes)
+        cols["first_sample"].append(first)
+        cols["checksum"].append(rec.checksum)
+        cols["samples_file"].append(samples_files[i])
+        cols["samples_row_group"].append(row_groups[i])
+        first += rec.num_samples
+    return pa.table(cols, schema=SHARD_SCHEMA)
+
+
+def write_shards_table(store: Store, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    store.put_bytes(SHARDS_PARQUET, buf.getvalue())
+
+
+def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any],
+                 labels: dict[str, int] | None, skipped: Sequence[dict[str, str]],
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_samples": int(pc.sum(shards.column("num_samples")).as_py() or 0),
+        "num_shards": shards.num_rows,
+        "total_bytes": int(pc.sum(shards.column("bytes")).as_py() or 0),
+        "fields": sorted(fields),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "shardkit_version": __version__,
+        "source": source,
+        "labels": labels or {},
+        "skipped": list(skipped),
+    }
+    info.update(extra or {})
+    return info
+
+
+def commit(store: Store, info: dict[str, Any]) -> None:
+    """Write dataset.json create-only: exactly one of two racing packs commits."""
+    store.put_create(DATASET_JSON, json.dumps(info, indent=2, sort_keys=True).encode())
+
+
+def read_info(store: Store) -> dict[str, Any]:
+    from .errors import DatasetNotFoundError
+
+    if not store.exists(DATASET_JSON):
+        hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
+        raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
+    raw = store.read_bytes(DATASET_JSON)
+    try:
+        info = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {exc}") from exc
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
+    if info.get("version") != VERSION:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
+    return info
+
+
+def read_shards(store: Store) -> pa.Table:
+    data = store.read_bytes(SHARDS_PARQUET)
+    table = pq.read_table(io.BytesIO(data))
+    missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
+    if missing:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")
+    return table

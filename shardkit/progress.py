@@ -1,0 +1,49 @@
+"""A progress bar for long work (tqdm), that callers can turn off.
+
+Shows items, MB/s and tasks done; ETA comes from tqdm when the total is known. Writes to
+stderr so ``--json`` output on stdout stays clean.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, total_items: int | None, total_bytes: int | None, total_tasks: int, desc: str,
+                 enabled: bool = True) -> None:
+        self.total_tasks = total_tasks
+        self.tasks_done = 0
+        self.bytes = 0
+        self.items = 0
+        self.started = time.monotonic()
+        self._bar = tqdm(total=total_items, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True,
+                         disable=not enabled or None, mininterval=0.5)
+        self._last_postfix = 0.0
+
+    def advance(self, items: int, nbytes: int) -> None:
+        self.items += items
+        self.bytes += nbytes
+        self._bar.update(items)
+        now = time.monotonic()
+        if now - self._last_postfix > 0.5:
+            self._postfix(now)
+
+    def task_done(self) -> None:
+        self.tasks_done += 1
+        self._postfix(time.monotonic())
+
+    def _postfix(self, now: float) -> None:
+        self._last_postfix = now
+        rate = self.bytes / max(now - self.started, 1e-9) / 1e6
+        self._bar.set_postfix_str(f"{rate:.1f} MB/s, tasks {self.tasks_done}/{self.total_tasks}", refresh=False)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._bar.close()

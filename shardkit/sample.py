@@ -1,0 +1,72 @@
+"""The sample types that flow from sources to the shard writer.
+
+A source yields :class:`PackSample` objects. Field values are ``bytes`` for small members and
+:class:`StreamedField` for large ones (e.g. a 300 MB HDF5 dataset), which the writer copies
+into the tar chunk by chunk so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Union
+
+import xxhash
+
+
+@dataclass(frozen=True)
+class StreamedField:
+    """A member body produced in chunks; ``chunks()`` must yield exactly ``size`` bytes."""
+
+    size: int
+    chunks: Callable[[], Iterator[bytes]]
+
+
+FieldValue = Union[bytes, StreamedField]
+
+
+@dataclass
+class PackSample:
+    """One sample to pack.
+
+    Attributes:
+        key: tar-safe key (see :func:`safe_key`), unique within the dataset.
+        fields: field name (``jpg``, ``cls``, ``npy``...) -> member body.
+        meta: user metadata columns for the manifest (``label``, ``source``, ...); values must
+            be scalars (str, int, float, bool, None).
+    """
+
+    key: str
+    fields: dict[str, FieldValue]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(v.size if isinstance(v, StreamedField) else len(v) for v in self.fields.values())
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+_FIELD_OK = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+
+
+def safe_key(raw: str | bytes) -> str:
+    """Turn any identifier (a relative path, a name with dots, non-UTF-8 bytes) into a key.
+
+    WebDataset groups members by the text before the first dot of the basename, so keys may
+    hold no dot and no slash. Unsafe characters become ``_`` and, when anything changed, an
+    8-hex xxh64 of the original is appended so two different originals never collide.
+    Deterministic: the same input always gives the same key.
+    """
+    raw_bytes = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
+    text = raw_bytes.decode("utf-8", "replace")
+    cleaned = _UNSAFE.sub("_", text)
+    if cleaned == text and cleaned:
+        return cleaned
+    return f"{cleaned[:180]}-{xxhash.xxh64_hexdigest(raw_bytes)[:8]}"
+
+
+def check_field_name(name: str) -> None:
+    """Refuse field names that would break WebDataset grouping or tar paths."""
+    from .errors import SourceError
+
+    if not _FIELD_OK.match(name):
+        raise SourceError(f"invalid field name {name!r}: use letters, digits, '_', '-' and '.' separators")
