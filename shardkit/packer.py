@@ -1,0 +1,294 @@
+"""Packing: list the source, plan by bytes, run tasks (local or Ray), commit last.
+
+Every task is the same function, :func:`run_task`, whichever engine runs it. A task writes
+its shards straight to storage, then its manifest fragment (whose footer records the shards
+it completed), and returns the shard rows. The driver alone writes ``shards.parquet`` and
+then ``dataset.json`` (create-only), so a dataset is visible only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import pyarrow.parquet as pq
+
+from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
+from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
+from .manifest import (DATASET_JSON, commit, dataset_info, fragment_name, shards_table, write_fragment,
+                       write_shards_table)
+from .plan import PackPlan, TaskPlan, make_plan
+from .progress import Progress
+from .sample import PackSample
+from .sources import resolve_source
+from .sources.base import Source, SourceItem
+from .storage import Store
+from .writer import SampleRows, ShardRecord, ShardWriter, TarShard
+
+log = logging.getLogger(__name__)
+
+CLAIM = "_pack/plan.json"
+_TASK_META = "shardkit_task"
+Transform = Callable[[PackSample], PackSample]
+
+
+@dataclass
+class TaskResult:
+    """What a finished task hands the driver (small: no sample rows)."""
+
+    task: int
+    fragment: str
+    shards: list[ShardRecord]
+    row_groups: list[int]
+    skipped: list[dict[str, str]]
+    fields: list[str]
+    samples: int
+    bytes: int
+    reused: bool = False
+
+
+@dataclass
+class PackOptions:
+    shard_bytes: int
+    shard_samples: int | None
+    task_bytes: int
+    on_error: str
+    transform: Transform | None = None
+    transform_desc: dict[str, Any] = field(default_factory=dict)
+
+
+def run_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[SourceItem], plan_id: str,
+             opts: PackOptions, progress: Callable[[int, int], None] | None = None) -> TaskResult:
+    """Write one task's shards and fragment. ``items`` are the task's items, in order.
+
+    A bad input raises SourceError naming it (``on_error="raise"``) or is left out and listed
+    (``"skip"``); a skip found halfway through a streamed member rewrites that shard without it,
+    so no partial member is ever committed.
+    """
+    base = plan.start
+    records: list[ShardRecord] = []
+    rows = SampleRows()
+    skipped: list[dict[str, str]] = []
+    fields: set[str] = set()
+    for span in plan.shards:
+        excluded: set[int] = set()
+        while True:
+            shard = TarShard(store, span.shard)
+            failed: int | None = None
+            try:
+                for i in range(span.start, span.stop):
+                    if i in excluded:
+                        continue
+                    item = items[i - base]
+                    try:
+                        sample = source.load(item)
+                        if opts.transform is not None:
+                            sample = opts.transform(sample)
+                        shard.add(sample)
+                    except SourceError as exc:
+                        if opts.on_error != "skip":
+                            raise
+                        failed = i
+                        skipped.append({"ref": item.ref, "key": item.key, "reason": str(exc)})
+                        break
+                    fields.update(sample.fields)
+                    if progress:
+                        progress(1, sample.nbytes())
+            except BaseException:
+                shard.abort()
+                raise
+            if failed is None:
+                records.append(shard.close())
+                rows.extend(shard.rows)
+                break
+            shard.abort()
+            excluded.add(failed)
+    frag = fragment_name(plan.task)
+    summary = {"plan_id": plan_id, "task": plan.task, "shards": [asdict(r) for r in records],
+               "skipped": skipped, "fields": sorted(fields)}
+    row_groups = write_fragment(store, frag, rows, records, {_TASK_META: json.dumps(summary)})
+    return TaskResult(plan.task, frag, records, row_groups, skipped, sorted(fields), len(rows),
+                      sum(r.bytes for r in records))
+
+
+def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | None:
+    """The result of an earlier run of this task, if its fragment and every shard are intact."""
+    frag = fragment_name(plan.task)
+    try:
+        if not store.exists(frag):
+            return None
+        with store.fs.open(store.path(frag), "rb") as f:
+            md = pq.ParquetFile(f).metadata
+        raw = (md.metadata or {}).get(_TASK_META.encode())
+    except Exception:  # noqa: BLE001 - an unreadable fragment is simply redone
+        log.debug("fragment %s unreadable, redoing task", frag, exc_info=True)
+        return None
+    if raw is None:
+        return None
+    summary = json.loads(raw)
+    if summary.get("plan_id") != plan_id:
+        return None
+    records = [ShardRecord(**r) for r in summary["shards"]]
+    if [r.shard for r in records] != [s.shard for s in plan.shards]:
+        return None
+    for r in records:
+        try:
+            if store.size(r.path) != r.bytes:
+                return None
+        except ShardkitError:
+            return None
+    groups: dict[int, int] = {}
+    for g in range(md.num_row_groups):
+        stats = md.row_group(g).column(1).statistics
+        if stats is not None and stats.has_min_max:
+            groups[int(stats.min)] = g
+    return TaskResult(plan.task, frag, records, [groups.get(r.shard, -1) for r in records], summary["skipped"],
+                      summary["fields"], sum(r.num_samples for r in records), sum(r.bytes for r in records), reused=True)
+
+
+def _claim(store: Store, plan_id: str, overwrite: bool) -> None:
+    """Mark the destination as taken by this plan; refuse a different plan's leftovers."""
+    body = json.dumps({"plan_id": plan_id, "started": time.time()}).encode()
+    try:
+        store.put_create(CLAIM, body)
+        return
+    except DatasetExistsError:
+        pass
+    other = json.loads(store.read_bytes(CLAIM)).get("plan_id")
+    if other == plan_id:
+        return  # a rerun of the same pack: resume
+    if not overwrite:
+        raise DatasetExistsError(
+            f"{store.url} holds an unfinished pack of different input (plan {other}); "
+            "it may still be running. Rerun with --overwrite to discard it")
+    store.put_bytes(CLAIM, body)
+
+
+def _prepare_destination(store: Store, overwrite: bool) -> None:
+    if store.exists(DATASET_JSON):
+        if not overwrite:
+            raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
+        # Uncommit first, so nobody reads a half-replaced dataset.
+        store.remove(DATASET_JSON)
+        for prefix in ("shards", "manifest", "_pack"):
+            store.remove(prefix, recursive=True)
+
+
+def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, engine: str = "local", *,
+         shard_samples: int | None = None, labels_from_dirs: bool = False, on_error: str = "raise",
+         overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
+         transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
+         progress: bool = True) -> dict[str, Any]:
+    """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
+
+    Args:
+        source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar), a
+            WebDataset tar URL/glob, a :class:`~shardkit.sources.Source`, or an iterable of dicts.
+        dest: any fsspec URL (``s3://bucket/prefix``, a local path, ``memory://...``).
+        shard_bytes: target shard size (``"512MB"``); shards close before overflowing it.
+        engine: ``"local"`` (in this process) or ``"ray"`` (one Ray task per planned task).
+        on_error: ``"raise"`` stops at the first bad input naming it; ``"skip"`` leaves it out
+            and lists it under ``skipped`` in dataset.json.
+        overwrite: replace a dataset already committed at ``dest``.
+        transform: a :class:`~shardkit.transforms.Transform` or callable applied to each sample.
+    """
+    if engine not in ("local", "ray"):
+        raise ConfigError(f"engine: expected 'local' or 'ray', got {engine!r}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
+    sbytes = parse_size(shard_bytes, "shard_bytes")
+    if shard_samples is not None and shard_samples < 1:
+        raise ConfigError(f"shard_samples: must be >= 1, got {shard_samples}")
+    store = Store(dest, storage_options)
+    desc = transform.describe() if hasattr(transform, "describe") else ({"callable": repr(transform)} if transform else {})
+    opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
+    if not isinstance(source, (str, bytes)) and not hasattr(source, "list_items") and hasattr(source, "__iter__") \
+            and not hasattr(source, "__fspath__"):
+        if engine != "local":
+            raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
+        return _pack_iterable(source, store, opts, overwrite, progress)
+    src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    started = time.monotonic()
+    items = src.list_items()
+    if not items:
+        raise SourceError(f"source {source} is empty")
+    plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
+                     options={"on_error": on_error, "transform": desc, "source": src.describe()})
+    _prepare_destination(store, overwrite)
+    _claim(store, plan.plan_id, overwrite)
+    runner = _run_ray if engine == "ray" else _run_local
+    results = runner(store, src, plan, opts, progress, ray_address)
+    return _commit(store, src.describe(), src.labels(), results, started, engine, opts)
+
+
+def _run_local(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+               _ray_address: str | None) -> list[TaskResult]:
+    results = []
+    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack", enabled=show) as bar:
+        for task in plan.tasks:
+            done = completed_task(store, task, plan.plan_id)
+            if done is None:
+                done = run_task(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts, bar.advance)
+            else:
+                bar.advance(done.samples, done.bytes)
+            bar.task_done()
+            results.append(done)
+    return results
+
+
+def _run_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+             ray_address: str | None) -> list[TaskResult]:
+    from .ray_engine import run_tasks_on_ray
+
+    return run_tasks_on_ray(store, src, plan, opts, show, ray_address)
+
+
+def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOptions, overwrite: bool,
+                   show: bool) -> dict[str, Any]:
+    from .sources.iterable import samples_from_iterable
+
+    started = time.monotonic()
+    _prepare_destination(store, overwrite)
+    # An iterable cannot be replanned, so a rerun starts over: clear what an earlier run left.
+    for prefix in ("shards", "manifest", "_pack"):
+        store.remove(prefix, recursive=True)
+    fields: set[str] = set()
+    with Progress(None, None, 1, "pack", enabled=show) as bar, \
+            ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples) as writer:
+        for sample in samples_from_iterable(items):
+            if opts.transform is not None:
+                sample = opts.transform(sample)
+            writer.write(sample)
+            fields.update(sample.fields)
+            bar.advance(1, sample.nbytes())
+    if not writer.shards:
+        raise SourceError("source iterable is empty")
+    frag = fragment_name(0)
+    groups = write_fragment(store, frag, writer.rows, writer.shards)
+    result = TaskResult(0, frag, writer.shards, groups, [], sorted(fields), len(writer.rows),
+                        sum(s.bytes for s in writer.shards))
+    return _commit(store, {"type": "iterable"}, None, [result], started, "local", opts)
+
+
+def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | None, results: list[TaskResult],
+            started: float, engine: str, opts: PackOptions) -> dict[str, Any]:
+    records = [r for res in results for r in res.shards]
+    files = [res.fragment for res in results for _ in res.shards]
+    groups = [g for res in results for g in res.row_groups]
+    table = shards_table(records, files, groups)
+    write_shards_table(store, table)
+    fields = sorted({f for res in results for f in res.fields})
+    skipped = [s for res in results for s in res.skipped]
+    info = dataset_info(table, fields, source_desc, labels, skipped,
+                        {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
+    commit(store, info)
+    store.remove("_pack", recursive=True)
+    elapsed = time.monotonic() - started
+    log.info("packed %d samples into %d shards (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
+             info["total_bytes"], elapsed)
+    return {**info, "elapsed_seconds": round(elapsed, 3),
+            "reused_tasks": sum(1 for r in results if r.reused), "tasks": len(results)}
+

@@ -1,0 +1,84 @@
+"""Running pack tasks as Ray tasks.
+
+Local Ray is the default (``address="local"``: never a bare ``ray.init()`` that could attach
+to a stale cluster); a cluster by address, or the one ``ray job submit`` put us in
+(``RAY_ADDRESS``). Tasks get the Store and Source (URLs and options only) and their slice of
+items; they write to storage themselves and return small results, so the driver holds no
+data. In-flight tasks are bounded to keep the object store and memory small.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .errors import ConfigError, ShardkitError
+from .packer import PackOptions, TaskResult, completed_task, run_task
+from .plan import PackPlan
+from .progress import Progress
+from .sources.base import Source
+from .storage import Store
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def ensure_ray(address: str | None) -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("engine='ray' needs Ray: pip install 'shardkit[ray]'") from exc
+    if ray.is_initialized():
+        return ray
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    kwargs: dict[str, Any] = {"address": target, "log_to_driver": True, "ignore_reinit_error": True}
+    if target == "local":
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        raise ShardkitError(f"cannot start or reach Ray at {target}: {type(exc).__name__}: {exc}") from exc
+    return ray
+
+
+def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: str, opts: PackOptions) -> TaskResult:
+    # Skip work a killed earlier attempt (or a retry of this task) already finished.
+    done = completed_task(store, task, plan_id)
+    return done if done is not None else run_task(store, source, task, items, plan_id, opts)
+
+
+def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+                     address: str | None) -> list[TaskResult]:
+    ray = ensure_ray(address)
+    remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
+    max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
+    results: dict[int, TaskResult] = {}
+    pending: dict[Any, int] = {}
+    todo = list(plan.tasks)
+    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
+        while todo or pending:
+            while todo and len(pending) < max_in_flight:
+                task = todo.pop(0)
+                ref = remote.remote(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts)
+                pending[ref] = task.task
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                pending.pop(ref)
+                try:
+                    res: TaskResult = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    for other in pending:
+                        ray.cancel(other)
+                    if isinstance(cause, ShardkitError):
+                        raise cause from None
+                    raise
+                results[res.task] = res
+                bar.advance(res.samples, res.bytes)
+                bar.task_done()
+    return [results[t.task] for t in plan.tasks]

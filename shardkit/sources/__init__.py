@@ -1,0 +1,68 @@
+"""Adapters from inputs to pack sources; :func:`resolve_source` picks one for a path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import SourceError, SourceNotFoundError
+from .base import Source, SourceItem
+from .files import FileListSource, FolderSource, ImageFolderSource
+
+__all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "resolve_source"]
+
+_HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+
+
+def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
+                   hdf5_rows: str | None = None) -> Source:
+    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
+
+    Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards; only
+    ``.npy``/``.npz`` -> arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an
+    ImageFolder with ``labels_from_dirs``).
+    """
+    if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise SourceError(f"unsupported source {type(source).__name__}: pass a path, URL, Source or iterable of dicts")
+    text = str(source)
+    if "://" in text and not text.startswith("file://"):
+        if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
+            from .wds import WdsTarSource
+            return WdsTarSource(text, storage_options=storage_options)
+        raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
+    path = Path(text[len("file://"):] if text.startswith("file://") else text)
+    if not path.exists():
+        raise SourceNotFoundError(f"source {path} does not exist")
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix in (".csv", ".parquet", ".pq"):
+            return FileListSource(path)
+        if suffix in _HDF5:
+            from .hdf5 import Hdf5Source
+            return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
+        if suffix in (".npy", ".npz"):
+            from .npy import NpySource
+            return NpySource([str(path)])
+        if suffix == ".tar":
+            from .wds import WdsTarSource
+            return WdsTarSource(str(path))
+        raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
+    if labels_from_dirs:
+        return ImageFolderSource(path)
+    suffixes = {p.suffix.lower() for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    if not suffixes:
+        raise SourceError(f"source {path} holds no files")
+    if suffixes == {".tar"}:
+        from .wds import WdsTarSource
+        return WdsTarSource(str(path))
+    if suffixes <= {".npy", ".npz"}:
+        from .npy import NpySource
+        return NpySource(str(path))
+    if suffixes <= set(_HDF5):
+        from .hdf5 import Hdf5Source
+        return Hdf5Source(sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in _HDF5),
+                          datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
+    return FolderSource(path)

@@ -1,0 +1,273 @@
+"""Sources over plain files: a keyed folder, an ImageFolder, a CSV/Parquet file list.
+
+Files are listed with their sizes (one ``stat`` each, no data read) so the planner can split
+work by bytes; data is read inside pack tasks. Large files stream into the tar in chunks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import SourceError, SourceNotFoundError
+from ..sample import FieldValue, PackSample, StreamedField, safe_key
+from .base import SourceItem
+
+STREAM_THRESHOLD = 16 * 2**20
+_CHUNK = 8 * 2**20
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def walk_files(root: Path) -> Iterator[tuple[str, int]]:
+    """(relative posix path, size) of every regular file under ``root``, sorted, no hidden files.
+
+    Symlinks to files are followed (users lay out datasets with them); symlinked directories
+    are not, so a link loop cannot hang the listing.
+    """
+    stack = [root]
+    found: list[tuple[str, int]] = []
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except PermissionError as exc:
+            raise SourceError(f"cannot list {d}: permission denied") from exc
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                stack.append(Path(e.path))
+            elif e.is_file():
+                try:
+                    size = e.stat().st_size
+                except OSError as exc:
+                    raise SourceError(f"cannot stat {e.path}: {exc.strerror}") from exc
+                found.append((Path(e.path).relative_to(root).as_posix(), size))
+    found.sort()
+    return iter(found)
+
+
+def read_field(path: Path, size: int) -> FieldValue:
+    """The file's bytes, or a StreamedField for big files; SourceError naming an unreadable file."""
+    try:
+        if size <= STREAM_THRESHOLD:
+            with open(path, "rb") as f:
+                return f.read()
+        # Check readability now so the error names the file before a tar member is started.
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+    def chunks() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK):
+                yield block
+
+    return StreamedField(size, chunks)
+
+
+def check_root(path: str | os.PathLike[str]) -> Path:
+    root = Path(path)
+    if not root.exists():
+        raise SourceNotFoundError(f"source {root} does not exist")
+    return root
+
+
+def ensure_unique(items: list[SourceItem], where: str) -> None:
+    seen: dict[str, str] = {}
+    for it in items:
+        if it.key in seen:
+            raise SourceError(f"duplicate key {it.key!r} in {where}: {seen[it.key]} and {it.ref}")
+        seen[it.key] = it.ref
+
+
+class FolderSource:
+    """A directory whose files group into samples by key: ``a.jpg`` + ``a.cls`` + ``a.json``.
+
+    As in WebDataset, the key is the path up to the first dot of the file name and the field
+    is the rest (``dir/a.seg.png`` -> key ``dir/a``, field ``seg.png``); keys are made tar-safe
+    with :func:`~shardkit.sample.safe_key` and the original kept in the ``source`` column.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = str(root)
+
+    def _groups(self) -> dict[str, list[tuple[str, str, int]]]:
+        root = check_root(self.root)
+        if not root.is_dir():
+            raise SourceError(f"source {root} is not a directory")
+        groups: dict[str, list[tuple[str, str, int]]] = {}
+        for rel, size in walk_files(root):
+            stem, dot, field = rel.rpartition("/")[2].partition(".")
+            if not dot or not stem or not field:
+                raise SourceError(f"cannot group {root / rel} into a sample: name it <key>.<field> (e.g. 0001.jpg)")
+            groups.setdefault(_raw_key(rel), []).append((field.lower(), rel, size))
+        if not groups:
+            raise SourceError(f"source {root} holds no files")
+        return groups
+
+    def list_items(self) -> list[SourceItem]:
+        items = []
+        for raw, members in sorted(self._groups().items()):
+            ref = "|".join(f"{field}={rel}" for field, rel, _ in members)
+            items.append(SourceItem(ref=ref, nbytes=sum(s for _, _, s in members) + 1024 * len(members), key=safe_key(raw)))
+        ensure_unique(items, self.root)
+        return items
+
+    def load(self, item: SourceItem) -> PackSample:
+        root = Path(self.root)
+        fields: dict[str, FieldValue] = {}
+        first = None
+        for part in item.ref.split("|"):
+            field, _, rel = part.partition("=")
+            first = first or rel
+            path = root / rel
+            fields[field] = read_field(path, _size(path))
+        return PackSample(item.key, fields, {"source": _raw_key(first or item.key)})
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "folder", "path": self.root}
+
+    def labels(self) -> dict[str, int] | None:
+        return None
+
+
+def _raw_key(rel: str) -> str:
+    """``dir/a.seg.png`` -> ``dir/a``: the WebDataset key of a relative path."""
+    head, _, name = rel.rpartition("/")
+    stem = name.partition(".")[0]
+    return f"{head}/{stem}" if head else stem
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+class ImageFolderSource:
+    """``root/<class>/**/<image>``: one sample per image, ``cls`` = class index.
+
+    Classes are the sorted top-level directory names (as torchvision's ImageFolder does);
+    dataset.json gets the ``labels`` map. Files that are not images are ignored.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = str(root)
+        self._classes: list[str] | None = None
+
+    def classes(self) -> list[str]:
+        if self._classes is None:
+            root = check_root(self.root)
+            if not root.is_dir():
+                raise SourceError(f"source {root} is not a directory")
+            self._classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+            if not self._classes:
+                raise SourceError(f"source {root} has no class directories (--labels-from-dirs expects root/<class>/<image>)")
+        return self._classes
+
+    def list_items(self) -> list[SourceItem]:
+        root = Path(self.root)
+        items = []
+        for cls in self.classes():
+            for rel, size in walk_files(root / cls):
+                if Path(rel).suffix.lower() in IMAGE_SUFFIXES:
+                    full = f"{cls}/{rel}"
+                    items.append(SourceItem(ref=full, nbytes=size + 1536, key=safe_key(full)))
+        if not items:
+            raise SourceError(f"source {root} holds no images")
+        ensure_unique(items, self.root)
+        return items
+
+    def load(self, item: SourceItem) -> PackSample:
+        path = Path(self.root) / item.ref
+        cls = item.ref.split("/", 1)[0]
+        label = self.labels()[cls]  # type: ignore[index]
+        ext = path.suffix.lower().lstrip(".")
+        ext = "jpg" if ext == "jpeg" else ext
+        image = read_field(path, _size(path))
+        return PackSample(item.key, {ext: image, "cls": str(label).encode()},
+                          {"label": label, "class_name": cls, "source": item.ref})
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "imagefolder", "path": self.root}
+
+    def labels(self) -> dict[str, int] | None:
+        return {c: i for i, c in enumerate(self.classes())}
+
+
+class FileListSource:
+    """A CSV or Parquet table with a path column; every other column becomes metadata.
+
+    Relative paths are resolved against the list file's directory. An optional ``key``
+    column names the samples; otherwise the key is the path without its extension.
+    """
+
+    def __init__(self, list_path: str | os.PathLike[str], path_column: str = "path") -> None:
+        self.list_path = str(list_path)
+        self.path_column = path_column
+
+    def _table(self) -> list[dict[str, Any]]:
+        import pyarrow.csv as pacsv
+        import pyarrow.parquet as pq
+
+        p = check_root(self.list_path)
+        try:
+            table = pq.read_table(p) if p.suffix.lower() in (".parquet", ".pq") else pacsv.read_csv(p)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
+            raise SourceError(f"cannot read file list {p}: {exc}") from exc
+        if self.path_column not in table.column_names:
+            raise SourceError(f"file list {p} has no {self.path_column!r} column (columns: {table.column_names})")
+        if table.num_rows == 0:
+            raise SourceError(f"file list {p} is empty")
+        return table.to_pylist()
+
+    def list_items(self) -> list[SourceItem]:
+        base = Path(self.list_path).parent
+        items = []
+        for i, row in enumerate(self._table()):
+            rel = row[self.path_column]
+            if not rel:
+                raise SourceError(f"file list {self.list_path}: row {i} has an empty {self.path_column!r}")
+            path = Path(rel) if os.path.isabs(rel) else base / rel
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError as exc:
+                raise SourceError(f"file list {self.list_path}: row {i}: {path} does not exist") from exc
+            raw_key = str(row.get("key") or Path(rel).with_suffix("").as_posix())
+            items.append(SourceItem(ref=f"{i}:{path}", nbytes=size + 1536, key=safe_key(raw_key)))
+        ensure_unique(items, self.list_path)
+        return items
+
+    def load(self, item: SourceItem) -> PackSample:
+        index, _, p = item.ref.partition(":")
+        path = Path(p)
+        row = self._row(int(index))
+        ext = path.suffix.lower().lstrip(".") or "bin"
+        ext = "jpg" if ext == "jpeg" else ext
+        meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
+        meta["source"] = row[self.path_column]
+        fields: dict[str, FieldValue] = {ext: read_field(path, _size(path))}
+        if isinstance(meta.get("label"), int):
+            fields["cls"] = str(meta["label"]).encode()
+        return PackSample(item.key, fields, meta)
+
+    def _row(self, index: int) -> dict[str, Any]:
+        # Tasks reload the (small) list once per process rather than pickling all rows.
+        rows = getattr(self, "_rows", None)
+        if rows is None:
+            rows = self._table()
+            self._rows = rows
+        return rows[index]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"list_path": self.list_path, "path_column": self.path_column}
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "filelist", "path": self.list_path}
+
+    def labels(self) -> dict[str, int] | None:
+        return None

@@ -1,0 +1,216 @@
+"""Walk the headers of a tar from outside without reading member data, refusing what is unsafe.
+
+Used to re-shard existing WebDataset tars and (later) by ``shardkit index``. Only headers are
+read: each 512-byte header is parsed, the data is skipped with a seek, so scanning a remote
+tar costs sequential small reads. pax (``x``) and GNU long-name (``L``) headers are applied
+to the member that follows them; that member's ``offset_header`` is the offset of its first
+extension header, so ``[offset_header, end)`` is a self-contained tar stream of the member.
+
+Every name is untrusted: absolute names, ``..`` components, NUL bytes, links, devices and
+fifos, sizes beyond the end of the file and truncated headers raise
+:class:`~shardkit.errors.UnsafeTarError` naming the tar and the member.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from dataclasses import dataclass
+from typing import BinaryIO, Iterable, Iterator
+
+from .errors import UnsafeTarError
+
+BLOCK = 512
+# Extension headers (pax records, GNU long names) larger than this are not real-world names.
+MAX_EXTENDED_HEADER = 1 << 20
+
+_REGULAR = {tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE}
+_REFUSED = {
+    tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink",
+    tarfile.CHRTYPE: "character device",
+    tarfile.BLKTYPE: "block device",
+    tarfile.FIFOTYPE: "fifo",
+    tarfile.GNUTYPE_LONGLINK: "link",
+}
+
+
+@dataclass(frozen=True)
+class TarMember:
+    """A regular file in a tar.
+
+    Attributes:
+        name: the member name (pax ``path`` / GNU long name applied), checked safe.
+        offset_header: offset of its first header block (extension headers included).
+        offset_data: offset of its data.
+        size: data length in bytes.
+        end: ``offset_data + size`` rounded up to 512 (capped at the file size).
+    """
+
+    name: str
+    offset_header: int
+    offset_data: int
+    size: int
+    end: int
+
+
+def _round_up(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _read_at(fileobj: BinaryIO, offset: int, n: int) -> bytes:
+    fileobj.seek(offset)
+    parts = []
+    while n > 0:
+        b = fileobj.read(n)
+        if not b:
+            break
+        parts.append(b)
+        n -= len(b)
+    return b"".join(parts)
+
+
+def check_member_name(name: str, *, tar: str) -> None:
+    """Refuse names that could escape a directory or confuse a reader."""
+    if not name:
+        raise UnsafeTarError(f"{tar}: member with an empty name")
+    if "\x00" in name:
+        raise UnsafeTarError(f"{tar}: member {name!r} has a NUL byte in its name")
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":" and name[0].isalpha()):
+        raise UnsafeTarError(f"{tar}: member {name!r} has an absolute name")
+    if any(part == ".." for part in name.replace("\\", "/").split("/")):
+        raise UnsafeTarError(f"{tar}: member {name!r} has a '..' component")
+
+
+def parse_pax(data: bytes, *, tar: str, offset: int) -> dict[str, str]:
+    """Parse pax extended-header records (``"<len> <key>=<value>\\n"``)."""
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        if data[pos] == 0:  # NUL padding after the last record
+            break
+        space = data.find(b" ", pos)
+        try:
+            length = int(data[pos:space]) if space > pos else -1
+        except ValueError:
+            length = -1
+        record = data[pos : pos + length] if length > 0 else b""
+        if length <= space - pos or not record.endswith(b"\n") or b"=" not in record:
+            raise UnsafeTarError(f"{tar}: malformed pax header at offset {offset}")
+        key, _, value = record[space - pos + 1 : -1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records
+
+
+def scan_tar(
+    fileobj: BinaryIO, *, name: str, file_size: int, start: int = 0
+) -> Iterator[TarMember]:
+    """Yield the regular-file members of a tar, reading headers only.
+
+    Args:
+        fileobj: a seekable binary file (local or fsspec) holding the tar.
+        name: the tar's URL or path, for error messages.
+        file_size: the size of the file (or the end of the range to scan).
+        start: offset to start at (a member's ``offset_header``); scanning stops at
+            ``file_size`` or at an end-of-archive (all-zero) block.
+
+    Directory members are skipped. Raises UnsafeTarError on anything refused (see module doc).
+    """
+    pos = start
+    pax: dict[str, str] = {}
+    global_pax: dict[str, str] = {}
+    long_name: str | None = None
+    member_start: int | None = None
+    while True:
+        if pos >= file_size:
+            if member_start is not None:
+                raise UnsafeTarError(f"{name}: extension header at offset {member_start} has no member after it")
+            return
+        buf = _read_at(fileobj, pos, BLOCK)
+        if len(buf) < BLOCK:
+            raise UnsafeTarError(f"{name}: truncated tar header at offset {pos} ({len(buf)} of 512 bytes)")
+        if buf == b"\x00" * BLOCK:
+            if member_start is not None:
+                raise UnsafeTarError(f"{name}: extension header at offset {member_start} has no member after it")
+            return  # end-of-archive marker
+        try:
+            info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise UnsafeTarError(f"{name}: bad tar header at offset {pos}: {exc}") from exc
+        if member_start is None:
+            member_start = pos
+        data_off = pos + BLOCK
+        size = info.size
+        if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME):
+            if size < 0 or size > MAX_EXTENDED_HEADER:
+                raise UnsafeTarError(f"{name}: extension header at offset {pos} of {size} bytes refused")
+            if data_off + size > file_size:
+                raise UnsafeTarError(
+                    f"{name}: extension header at offset {pos} size {size} beyond end of file"
+                )
+            data = _read_at(fileobj, data_off, size)
+            if len(data) < size:
+                raise UnsafeTarError(f"{name}: truncated extension header at offset {pos}")
+            if info.type == tarfile.GNUTYPE_LONGNAME:
+                long_name = data.rstrip(b"\x00").decode("utf-8", "surrogateescape")
+            elif info.type == tarfile.XGLTYPE:
+                global_pax.update(parse_pax(data, tar=name, offset=pos))
+                member_start = None  # a global header belongs to no member
+            else:
+                pax.update(parse_pax(data, tar=name, offset=pos))
+            pos = data_off + _round_up(size)
+            continue
+
+        records = {**global_pax, **pax}
+        member = records.get("path", long_name if long_name is not None else info.name)
+        if "size" in records:
+            try:
+                size = int(records["size"])
+            except ValueError as exc:
+                raise UnsafeTarError(f"{name}: member {member!r} has a bad pax size") from exc
+        first = member_start
+        pax, long_name, member_start = {}, None, None
+
+        check_member_name(member, tar=name)
+        if info.type in _REFUSED:
+            raise UnsafeTarError(f"{name}: member {member!r} is a {_REFUSED[info.type]}; refused")
+        if size < 0:
+            raise UnsafeTarError(f"{name}: member {member!r} has a negative size")
+        if data_off + size > file_size:
+            raise UnsafeTarError(f"{name}: member {member!r} size {size} beyond end of file")
+        end = min(data_off + _round_up(size), file_size)
+        if info.type == tarfile.DIRTYPE:
+            pos = data_off + _round_up(max(size, 0))
+            continue
+        if info.type not in _REGULAR:
+            raise UnsafeTarError(f"{name}: member {member!r} has unsupported type {info.type!r}; refused")
+        yield TarMember(name=member, offset_header=first, offset_data=data_off, size=size, end=end)
+        pos = data_off + _round_up(size)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """WebDataset's key rule: ``"dir/a.b.jpg"`` -> ``("dir/a", "b.jpg")``.
+
+    The key is the directory prefix plus the basename up to its first dot; the field is the
+    rest (empty when the basename has no dot). A leading ``./`` is dropped.
+    """
+    while name.startswith("./"):
+        name = name[2:]
+    prefix, slash, base = name.rpartition("/")
+    stem, _, field = base.partition(".")
+    return prefix + slash + stem, field
+
+
+def group_members(members: Iterable[TarMember]) -> Iterator[tuple[str, list[TarMember]]]:
+    """Group consecutive members that share a WebDataset key; yields ``(key, members)``."""
+    key: str | None = None
+    group: list[TarMember] = []
+    for m in members:
+        k, _ = split_name(m.name)
+        if group and k != key:
+            yield key, group  # type: ignore[misc]
+            group = []
+        key = k
+        group.append(m)
+    if group:
+        yield key, group  # type: ignore[misc]
