@@ -1,0 +1,715 @@
+"""Node-local shard cache shared by every rank and DataLoader worker on a node.
+
+Processes coordinate only through files and ``flock`` (Linux), so a killed process releases
+its locks with its file descriptors. Layout of ``cache_dir`` (``limit_bytes`` covers all of it)::
+
+    .global.lock                    flock EX: space accounting (reserve, evict, rename, sweep)
+    <ns>/<file>                     verified shards; <file> = percent-quoted shard name
+    <ns>/.tmp/<file>.<size>.<pid>   downloads in flight; each counts <size> from its creation
+    <ns>/.locks/<file>.pin          flock SH by readers while open, EX|NB by the evictor
+    <ns>/.locks/<file>.dl           flock EX by the one process downloading the shard
+
+Lock order is pin -> dl -> global. The global lock is held only for metadata work and tries
+other locks only with LOCK_NB, so nobody waits while holding it and nothing can deadlock.
+Lock files are never deleted: deleting one would let two processes lock different inodes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import fcntl
+import io
+import logging
+import mmap
+import os
+import re
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, ClassVar, Iterator, Sequence, cast
+from urllib.parse import quote
+
+import xxhash
+
+from .errors import ConfigError, IntegrityError, ShardkitError
+
+__all__ = ["ShardRef", "Fetch", "ShardCache", "CachedShard", "CacheFullError"]
+
+log = logging.getLogger(__name__)
+
+_POLL = 0.05
+_CHUNK = 8 << 20
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
+
+
+class CacheFullError(ShardkitError, TimeoutError):
+    """Readers pin so much of the cache that the next shard cannot fit within the limit."""
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """What the cache needs to know about one shard (from ``manifest/shards.parquet``).
+
+    Attributes:
+        name: shard path relative to the dataset root, e.g. ``shards/shard-000003.tar``.
+        size: bytes.
+        checksum: xxh3-128 hex digest of the whole file.
+    """
+
+    name: str
+    size: int
+    checksum: str
+
+
+Fetch = Callable[[ShardRef, BinaryIO, int], None]
+"""``fetch(ref, out, start)`` writes bytes ``[start, ref.size)`` of the shard into ``out``."""
+
+
+class _Lock:
+    """One flock on its own open file description (so threads exclude each other too)."""
+
+    held: ClassVar[set[int]] = set()  # fds this process holds locks on; closed in forked children
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pid = fd, os.getpid()
+
+    @classmethod
+    def take(cls, path: str, op: int = fcntl.LOCK_EX) -> _Lock:
+        """Lock ``path`` (created if missing), waiting as long as it takes."""
+        lock = cls.try_take(path, op)
+        if lock is None:
+            raise BlockingIOError(f"flock({path}) refused without LOCK_NB")
+        return lock
+
+    @classmethod
+    def try_take(cls, path: str, op: int) -> _Lock | None:
+        """Lock ``path`` (created if missing); None when ``op`` has LOCK_NB and it is taken."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, op)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        cls.held.add(fd)
+        return cls(fd)
+
+    def release(self) -> None:
+        # A forked child shares the parent's lock; only the process that took it unlocks.
+        if self.fd >= 0 and self.pid == os.getpid():
+            _Lock.held.discard(self.fd)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+        self.fd = -1
+
+
+def _close_inherited_locks() -> None:
+    # Without this a DataLoader worker forked while the parent holds a lock would keep the
+    # lock alive after the parent dies, breaking "locks die with their holder".
+    for fd in list(_Lock.held):
+        os.close(fd)
+    _Lock.held.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+try:
+    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (OSError, AttributeError):  # not glibc: reservations stay logical only
+    _fallocate = None
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve disk blocks without growing st_size (FALLOC_FL_KEEP_SIZE), best effort.
+
+    st_size then keeps meaning "bytes downloaded", which is where a resumed download starts.
+    """
+    if _fallocate is not None and size > 0:
+        _fallocate(fd, 1, 0, size)  # a failure (e.g. EOPNOTSUPP) only loses the early ENOSPC
+
+
+def _file_name(name: str) -> str:
+    """An injective, flat, non-hidden file name for a shard name."""
+    q = quote(name, safe="")
+    if q.startswith("."):
+        q = "%2E" + q[1:]
+    if len(q) > 200:  # stay under NAME_MAX with suffixes; '%%' never occurs in quoted text
+        q = q[:150] + "%%" + xxhash.xxh3_64_hexdigest(name.encode())
+    return q
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # already gone is the state we want
+
+
+def _hash_fd(fd: int, size: int) -> str:
+    if size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+        return xxhash.xxh3_128_hexdigest(m)
+
+
+@dataclass
+class _Entry:
+    """A file that counts against the limit."""
+
+    path: str
+    ns: str
+    file: str
+    size: int  # bytes counted: st_size of a shard, the full reservation of a temp file
+    mtime: int
+    temp: bool
+    pid: int = 0
+
+
+class _Sink(io.RawIOBase):
+    """The ``out`` given to fetch: writes through to the temp file and hashes as it goes."""
+
+    def __init__(self, fd: int, ref: ShardRef, start: int) -> None:
+        super().__init__()
+        self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
+        self._hash = xxhash.xxh3_128()
+        done = 0
+        while done < start:  # resuming: hash the bytes already there
+            chunk = os.pread(fd, min(_CHUNK, start - done), done)
+            if not chunk:
+                break
+            self._hash.update(chunk)
+            done += len(chunk)
+        os.lseek(fd, start, os.SEEK_SET)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, b: object) -> int:  # type: ignore[override]
+        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
+        if self.overflow or self.pos + mv.nbytes > self._ref.size:
+            self.overflow = True  # never write past the reservation
+            raise IntegrityError(f"shard {self._ref.name}: fetch wrote more than its {self._ref.size} bytes")
+        self._hash.update(mv)
+        left = mv
+        while left.nbytes:
+            left = left[os.write(self._fd, left):]
+        self.pos += mv.nbytes
+        return mv.nbytes
+
+    def ok(self) -> bool:
+        return (not self.overflow and self.pos == self._ref.size
+                and self._hash.hexdigest() == self._ref.checksum.lower())
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class CachedShard:
+    """A verified shard on local disk, pinned against eviction until :meth:`close`.
+
+    Attributes:
+        ref: the shard.
+        path: local file path, valid while the shard is open.
+    """
+
+    def __init__(self, ref: ShardRef, path: str, fd: int, pin: _Lock) -> None:
+        self.ref, self.path = ref, path
+        self._fd, self._pin = fd, pin
+        self._mmap: mmap.mmap | None = None
+        self._view: memoryview | None = None
+
+    def buffer(self) -> memoryview:
+        """A read-only memoryview of the whole file (mapped on first call)."""
+        if self._fd < 0:
+            raise ValueError(f"shard {self.ref.name} is closed")
+        if self._view is None:
+            if self.ref.size == 0:
+                self._view = memoryview(b"")
+            else:
+                self._mmap = mmap.mmap(self._fd, self.ref.size, access=mmap.ACCESS_READ)
+                self._view = memoryview(self._mmap)
+        return self._view
+
+    def close(self) -> None:
+        """Unmap the file and unpin the shard."""
+        if self._fd < 0:
+            return
+        if self._view is not None:
+            self._view.release()
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # The caller still holds slices: the mapping lives until they are dropped,
+                # and stays valid even if the file is evicted (Linux keeps the inode).
+                log.debug("shard %s: buffer slices still alive at close", self.ref.name)
+        os.close(self._fd)
+        self._fd = -1
+        self._pin.release()
+
+    def __enter__(self) -> CachedShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShardCache:
+    """Fetch-once, verified, size-bounded shard cache in one directory on a node.
+
+    Args:
+        cache_dir: local directory shared by all processes on the node.
+        limit_bytes: bound on everything under ``cache_dir`` (all namespaces), counting
+            downloads in flight at their full size.
+        namespace: short id of the dataset (e.g. a hash of URL + ``created``); a subdirectory.
+        verify: check the xxh3 of an already cached shard once per shard per ShardCache.
+        wait_timeout: seconds to wait for readers to unpin space before CacheFullError.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike[str], limit_bytes: int, *, namespace: str,
+                 verify: bool = True, wait_timeout: float = 600.0) -> None:
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
+            raise ConfigError(f"cache limit_bytes must be a positive int, got {limit_bytes!r}")
+        if not _NAMESPACE.match(namespace):
+            raise ConfigError(f"cache namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
+        if wait_timeout < 0:
+            raise ConfigError(f"cache wait_timeout must be >= 0, got {wait_timeout!r}")
+        self._root = os.path.abspath(os.fspath(cache_dir))
+        self._ns = namespace
+        self._limit, self._verify, self._wait_timeout = limit_bytes, verify, wait_timeout
+        try:
+            for sub in (".tmp", ".locks"):
+                os.makedirs(os.path.join(self._root, namespace, sub), exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cache_dir {self._root} is not usable: {exc}") from exc
+        self._global_path = os.path.join(self._root, ".global.lock")
+        self._verified: set[tuple[int, int]] = set()  # (st_dev, st_ino) checked by this cache
+        self._mu = threading.Lock()
+        self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
+                                     "corrupt_refetches", "prefetched", "prefetch_skipped"), 0.0)
+        self._sched: dict[str, list[int]] = {}
+        self._cursor = 0
+        self._cv = threading.Condition()
+        self._plan: list[tuple[ShardRef, Fetch, frozenset[str]]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        with self._global():
+            self._sweep()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def set_schedule(self, upcoming: Sequence[str]) -> None:
+        """Tell eviction this process's future need order (shard names, repeats allowed)."""
+        pos: dict[str, list[int]] = {}
+        for i, name in enumerate(upcoming):
+            pos.setdefault(_file_name(name), []).append(i)
+        with self._mu:
+            self._sched, self._cursor = pos, 0
+
+    def open(self, ref: ShardRef, fetch: Fetch) -> CachedShard:
+        """The verified local copy of ``ref``, downloaded if needed and pinned until closed.
+
+        Raises:
+            ConfigError: the shard is larger than the cache limit.
+            IntegrityError: the download disagrees with ``ref`` twice in a row.
+            CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
+        """
+        self._check(ref)
+        file = _file_name(ref.name)
+        with self._mu:
+            nxt = self._next_use(file)
+            if nxt is not None:
+                self._cursor = nxt + 1
+        pin = _Lock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
+        try:
+            fd = self._ensure(ref, fetch, file, prefetch=None)
+        except BaseException:
+            pin.release()
+            raise
+        return CachedShard(ref, self._final(file), cast(int, fd), pin)
+
+    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch, max_ahead: int = 2) -> None:
+        """Download the first ``max_ahead`` of ``refs`` in a background thread.
+
+        Replaces any plan not started yet. A prefetch never waits: it skips a shard another
+        process is downloading, one that does not fit, and one that would need to evict a
+        shard this process's schedule needs sooner.
+        """
+        with self._cv:
+            if self._closed:
+                return
+            plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
+            self._plan = [(r, fetch, frozenset(_file_name(q.name) for q in plan[:i])) for i, r in enumerate(plan)]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._prefetch_loop, name="shardkit-cache-prefetch",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def stats(self) -> dict[str, float]:
+        """Counters of this ShardCache: hits, misses, bytes_fetched, evictions, wait_seconds,
+        corrupt_refetches, prefetched, prefetch_skipped."""
+        with self._mu:
+            return dict(self._stats)
+
+    def usage(self) -> int:
+        """Bytes counted against the limit right now: shards plus reserved downloads."""
+        with self._global(fcntl.LOCK_SH):
+            return sum(e.size for e in self._scan())
+
+    def close(self) -> None:
+        """Stop prefetching (waits for a download in progress). Open shards stay valid."""
+        with self._cv:
+            self._closed = True
+            self._plan = []
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> ShardCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- paths, accounting ---------------------------------------------------------------
+
+    def _final(self, file: str) -> str:
+        return os.path.join(self._root, self._ns, file)
+
+    def _temp(self, file: str, size: int) -> str:
+        return os.path.join(self._root, self._ns, ".tmp", f"{file}.{size}.{os.getpid()}")
+
+    def _lock_path(self, ns: str, file: str, kind: str) -> str:
+        return os.path.join(self._root, ns, ".locks", f"{file}.{kind}")
+
+    @contextmanager
+    def _global(self, op: int = fcntl.LOCK_EX) -> Iterator[None]:
+        lock = _Lock.take(self._global_path, op)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _add(self, key: str, value: float = 1.0) -> None:
+        with self._mu:
+            self._stats[key] += value
+
+    def _check(self, ref: ShardRef) -> None:
+        if ref.size < 0:
+            raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
+        if ref.size > self._limit:
+            raise ConfigError(f"shard {ref.name} is {_fmt(ref.size)}, larger than cache_limit "
+                              f"{_fmt(self._limit)}; raise cache_limit")
+
+    def _next_use(self, file: str) -> int | None:
+        positions = self._sched.get(file)
+        if not positions:
+            return None
+        k = bisect.bisect_left(positions, self._cursor)
+        return positions[k] if k < len(positions) else None
+
+    def _scan(self) -> list[_Entry]:
+        """Every file that counts against the limit (call under the global lock)."""
+        out: list[_Entry] = []
+        for ns in _listdir(self._root):
+            if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):
+                continue
+            for e in _listdir(ns.path):
+                if e.name == ".tmp":
+                    for t in _listdir(e.path):
+                        m = _TEMP.match(t.name)
+                        st = _stat(t)
+                        if st is not None:
+                            size = max(st.st_size, int(m["size"]) if m else 0)
+                            out.append(_Entry(t.path, ns.name, m["file"] if m else t.name, size,
+                                              st.st_mtime_ns, True, int(m["pid"]) if m else 0))
+                elif not e.is_dir(follow_symlinks=False):
+                    st = _stat(e)
+                    if st is not None:
+                        out.append(_Entry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
+        return out
+
+    def _sweep(self) -> None:
+        """Remove temp files of dead processes that nobody is downloading into (global lock held)."""
+        for e in self._scan():
+            if e.temp and e.pid and not _pid_alive(e.pid):
+                dl = _Lock.try_take(self._lock_path(e.ns, e.file, "dl"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if dl is not None:
+                    log.info("cache: removing stale partial download %s", e.path)
+                    _unlink(e.path)
+                    dl.release()
+
+    # ---- the download path ---------------------------------------------------------------
+
+    def _open_final(self, ref: ShardRef, file: str) -> tuple[str, int | None]:
+        """("ok", fd) for a good cached copy, ("missing", None) or ("corrupt", None)."""
+        try:
+            fd = os.open(self._final(file), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "missing", None
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            good = st.st_size == ref.size and (
+                not self._verify or key in self._verified or _hash_fd(fd, ref.size) == ref.checksum.lower())
+            if good:
+                self._verified.add(key)
+                os.utime(fd)  # last access, for LRU eviction
+                return "ok", fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return "corrupt", None
+
+    def _ensure(self, ref: ShardRef, fetch: Fetch, file: str, *, prefetch: frozenset[str] | None) -> int | None:
+        """An fd of the verified shard (pin held by the caller); None if a prefetch skipped it.
+
+        ``prefetch`` is None for a foreground open, else the shards earlier in the same
+        prefetch plan (a prefetch never evicts them, nor shards the schedule needs sooner).
+        """
+        state, fd = self._open_final(ref, file)
+        downloaded = False
+        if state != "ok":
+            t0 = time.monotonic()
+            dl = _Lock.try_take(self._lock_path(self._ns, file, "dl"),
+                                fcntl.LOCK_EX | (0 if prefetch is None else fcntl.LOCK_NB))
+            if dl is None:  # another process is downloading it: that is prefetch enough
+                self._add("prefetch_skipped")
+                return None
+            try:
+                self._add("wait_seconds", time.monotonic() - t0)
+                state, fd = self._open_final(ref, file)  # it may have arrived while we waited
+                if state == "corrupt":
+                    log.warning("cache: shard %s is corrupt on disk; fetching it again", ref.name)
+                    with self._global():
+                        _unlink(self._final(file))
+                    self._add("corrupt_refetches")
+                if state != "ok":
+                    if not self._download(ref, fetch, file, prefetch):
+                        self._add("prefetch_skipped")
+                        return None
+                    downloaded = True
+                    state, fd = self._open_final(ref, file)
+            finally:
+                dl.release()
+            if state != "ok":
+                raise IntegrityError(f"shard {ref.name}: verified download vanished from {self._final(file)}")
+        if prefetch is not None:
+            self._add("prefetched", float(downloaded))
+        else:
+            self._add("misses" if downloaded else "hits")
+        return fd
+
+    def _download(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: frozenset[str] | None) -> bool:
+        """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skipped."""
+        got = self._reserve(ref, file, prefetch)
+        if got is None:
+            return False
+        tmp, start = got
+        for attempt in (1, 2):
+            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                if start == 0 and attempt == 2:
+                    os.ftruncate(fd, 0)
+                    _preallocate(fd, ref.size)
+                sink = _Sink(fd, ref, start)
+                try:
+                    fetch(ref, cast(BinaryIO, sink), start)
+                except BaseException:
+                    if not sink.overflow:
+                        raise  # keep the partial file: the next attempt resumes from its end
+                finally:
+                    self._add("bytes_fetched", sink.pos - start)
+                if sink.ok():
+                    with self._global():
+                        os.replace(tmp, self._final(file))
+                    st = os.fstat(fd)
+                    self._verified.add((st.st_dev, st.st_ino))
+                    return True
+            finally:
+                os.close(fd)
+            log.warning("cache: shard %s: got %d bytes with xxh3 %s (attempt %d, from byte %d), manifest "
+                        "says %d bytes with %s", ref.name, sink.pos, sink.digest(), attempt, start,
+                        ref.size, ref.checksum)
+            start = 0
+        with self._global():
+            _unlink(tmp)
+        raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
+                             f"xxh3 {ref.checksum}) twice; last got {sink.pos} bytes with xxh3 {sink.digest()}")
+
+    def _reserve(self, ref: ShardRef, file: str, prefetch: frozenset[str] | None) -> tuple[str, int] | None:
+        """A temp file counting ``ref.size`` and the bytes already in it; None if a prefetch skips."""
+        t0 = time.monotonic()
+        try:
+            return self._reserve_loop(ref, file, prefetch, t0)
+        finally:
+            if time.monotonic() - t0 >= _POLL:  # count waiting, not the usual quick pass
+                self._add("wait_seconds", time.monotonic() - t0)
+
+    def _reserve_loop(self, ref: ShardRef, file: str, prefetch: frozenset[str] | None,
+                      t0: float) -> tuple[str, int] | None:
+        while True:
+            with self._global():
+                got = self._adopt(ref, file)
+                if got is not None:
+                    return got
+                entries = self._scan()
+                excess = sum(e.size for e in entries) + ref.size - self._limit
+                blockers = self._evict(entries, excess, file, prefetch) if excess > 0 else None
+                if blockers is None:
+                    tmp = self._temp(file, ref.size)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                    _preallocate(fd, ref.size)
+                    os.close(fd)
+                    return tmp, 0
+            waited = time.monotonic() - t0
+            if prefetch is not None:
+                return None
+            if waited >= self._wait_timeout:
+                pinned = [e for e in blockers or [] if not e.temp]
+                flight = [e for e in blockers or [] if e.temp]
+                raise CacheFullError(
+                    f"cache_limit {_fmt(self._limit)} too small: {len(pinned)} shards in use by readers "
+                    f"hold {_fmt(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
+                    f"reserve {_fmt(sum(e.size for e in flight))}; need {_fmt(ref.size)} for {ref.name} "
+                    f"(waited {waited:.1f} s in {self._root})")
+            time.sleep(_POLL)
+
+    def _adopt(self, ref: ShardRef, file: str) -> tuple[str, int] | None:
+        """Take over a partial download of ``ref`` from any process (download lock held, so
+        nobody writes it); returns it under this pid's name with its length."""
+        tmpdir = os.path.join(self._root, self._ns, ".tmp")
+        found: str | None = None
+        for t in _listdir(tmpdir):
+            m = _TEMP.match(t.name)
+            if m is None or m["file"] != file:
+                continue
+            if found is None and int(m["size"]) == ref.size:
+                found = t.path
+            else:
+                _unlink(t.path)
+        if found is None:
+            return None
+        mine = self._temp(file, ref.size)
+        os.replace(found, mine)
+        size = os.stat(mine).st_size
+        if size > ref.size:
+            os.truncate(mine, 0)
+            size = 0
+        return mine, size
+
+    def _evict(self, entries: list[_Entry], excess: int, file: str,
+               prefetch: frozenset[str] | None) -> list[_Entry] | None:
+        """Delete unpinned files until ``excess`` bytes are free (global lock held).
+
+        Order: abandoned partial downloads, then shards not in this process's schedule (least
+        recently used first), then scheduled shards, furthest next use first. Returns None on
+        success, else (deleting nothing) the entries that could not be evicted.
+        """
+        with self._mu:
+            uses = {e.file: self._next_use(e.file) for e in entries if e.ns == self._ns and not e.temp}
+            mine = self._next_use(file)
+        ranked: list[tuple[tuple[int, int], _Entry]] = []
+        for e in entries:
+            nxt = uses.get(e.file) if e.ns == self._ns and not e.temp else None
+            if e.temp:
+                ranked.append(((0, e.mtime), e))
+            elif prefetch is not None and e.ns == self._ns and e.file in prefetch:
+                continue
+            elif nxt is None:
+                ranked.append(((1, e.mtime), e))
+            elif prefetch is None or (mine is not None and nxt > mine):
+                ranked.append(((2, -nxt), e))
+        ranked.sort(key=lambda r: r[0])
+        held: list[tuple[_Entry, _Lock]] = []
+        blockers: list[_Entry] = []
+        freed = 0
+        try:
+            for _, e in ranked:
+                if freed >= excess:
+                    break
+                lock = _Lock.try_take(self._lock_path(e.ns, e.file, "dl" if e.temp else "pin"),
+                                      fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if lock is None:
+                    blockers.append(e)
+                    continue
+                held.append((e, lock))
+                freed += e.size
+            if freed < excess:
+                return blockers
+            for e, _ in held:
+                log.debug("cache: evicting %s (%d bytes)", e.path, e.size)
+                _unlink(e.path)
+                if not e.temp:
+                    self._add("evictions")
+            return None
+        finally:
+            for _, lock in held:
+                lock.release()
+
+    # ---- prefetch ------------------------------------------------------------------------
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._plan and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                ref, fetch, earlier = self._plan.pop(0)
+            file = _file_name(ref.name)
+            pin = _Lock.try_take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if pin is None:  # being evicted right now
+                continue
+            try:
+                fd = self._ensure(ref, fetch, file, prefetch=earlier)
+                if fd is not None:
+                    os.close(fd)
+            except Exception as exc:  # the foreground open retries (and resumes) it
+                log.warning("cache: prefetch of %s failed: %s", ref.name, exc)
+            finally:
+                pin.release()
+
+
+def _listdir(path: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _stat(e: os.DirEntry[str]) -> os.stat_result | None:
+    try:
+        return e.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
