@@ -1,0 +1,186 @@
+"""``shardkit`` command line: thin commands over the library.
+
+Exit codes: 0 success, 1 a failed check or operation, 2 bad usage. Errors are one line on
+stderr naming the object at fault; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any, Callable, Sequence
+
+from .config import human_bytes
+from .errors import ConfigError, ShardkitError, SourceNotFoundError
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from .packer import pack
+    from .transforms import transform_from_options
+
+    transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
+                                       predecode=args.predecode)
+    info = pack(args.source, args.dest, shard_bytes=args.shard_size, engine=args.engine,
+                shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
+                overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
+                hdf5_rows=args.hdf5_rows, progress=not (args.json or args.quiet))
+    if args.json:
+        _print_json(info)
+    else:
+        rate = info["total_bytes"] / max(info["elapsed_seconds"], 1e-9) / 1e6
+        print(f"packed {info['num_samples']} samples into {info['num_shards']} shards "
+              f"({human_bytes(info['total_bytes'])}) at {args.dest} in {info['elapsed_seconds']:.1f}s "
+              f"({rate:.1f} MB/s, {info['num_samples'] / max(info['elapsed_seconds'], 1e-9):.0f} samples/s)")
+        if info["reused_tasks"]:
+            print(f"resumed: {info['reused_tasks']} of {info['tasks']} tasks were already complete")
+        if info["skipped"]:
+            print(f"skipped {len(info['skipped'])} bad inputs (listed in dataset.json):")
+            for s in info["skipped"][:10]:
+                print(f"  {s['ref']}: {s['reason']}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .reader import open_dataset
+
+    ds = open_dataset(args.dest)
+    info = dict(ds.info)
+    if args.json:
+        _print_json(info)
+        return 0
+    print(f"dataset   {ds.url}")
+    print(f"samples   {ds.num_samples}")
+    print(f"shards    {ds.num_shards}")
+    print(f"bytes     {human_bytes(info['total_bytes'])}")
+    print(f"fields    {', '.join(ds.fields)}")
+    if ds.labels:
+        shown = ", ".join(f"{k}={v}" for k, v in list(ds.labels.items())[:20])
+        print(f"labels    {len(ds.labels)}: {shown}{' ...' if len(ds.labels) > 20 else ''}")
+    print(f"created   {info.get('created')} (shardkit {info.get('shardkit_version')})")
+    if info.get("skipped"):
+        print(f"skipped   {len(info['skipped'])} inputs at pack time")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .errors import IntegrityError
+    from .progress import Progress
+    from .reader import open_dataset
+
+    ds = open_dataset(args.dest)
+    total = int(ds.info["total_bytes"])
+    try:
+        with Progress(None, total, 1, "verify", enabled=not (args.json or args.quiet)) as bar:
+            report = ds.verify(deep=args.deep, progress=lambda n: bar.advance(0, n))
+    except IntegrityError as exc:
+        if args.json:
+            _print_json({"ok": False, "error": str(exc)})
+        print(f"shardkit: verify failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json(report)
+    else:
+        print(f"ok: {report['shards_checked']} shards, {ds.num_samples} samples"
+              f"{' (checksums verified)' if args.deep else ' (sizes verified; --deep checks checksums)'}")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from .index import index_tars
+
+    info = index_tars(args.dest, overwrite=args.overwrite, progress=not (args.json or args.quiet))
+    if args.json:
+        _print_json(info)
+    else:
+        print(f"indexed {info['num_samples']} samples in {info['num_shards']} shards at {args.dest}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.run import main as bench_main
+    except ImportError as exc:
+        raise ConfigError("shardkit bench runs from a source checkout (benchmarks/ next to shardkit/)") from exc
+    return int(bench_main(args.bench_args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardkit", description="Sharded WebDataset storage on object storage.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pk = sub.add_parser("pack", help="pack a source into a dataset")
+    pk.add_argument("source", help="folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, WebDataset .tar(s)")
+    pk.add_argument("dest", help="dataset URL: s3://bucket/prefix, a local path, ...")
+    pk.add_argument("--shard-size", default="512MB", help="target shard size (default 512MB)")
+    pk.add_argument("--shard-samples", type=int, default=None, help="also close a shard at this many samples")
+    pk.add_argument("--engine", choices=["local", "ray"], default="local")
+    pk.add_argument("--ray-address", default=None, help="Ray cluster address (default: local Ray)")
+    pk.add_argument("--labels-from-dirs", action="store_true", help="ImageFolder: class folders -> cls field")
+    pk.add_argument("--hdf5-rows", default=None, metavar="DATASETS",
+                    help="HDF5: rows of these datasets (comma separated) are samples")
+    pk.add_argument("--on-error", choices=["raise", "skip"], default="raise")
+    pk.add_argument("--reencode", default=None, metavar="FMT[:QUALITY]", help="re-encode images: jpeg:90, webp:80")
+    pk.add_argument("--resize", type=int, default=None, metavar="SHORTER_SIDE", help="resize images (shorter side)")
+    pk.add_argument("--bgr-to-rgb", action="store_true", help="swap channels of 3-channel images")
+    pk.add_argument("--predecode", action="store_true", help="store images decoded as uint8 .npy")
+    pk.add_argument("--overwrite", action="store_true", help="replace an existing dataset at DEST")
+    pk.add_argument("--json", action="store_true")
+    pk.add_argument("--quiet", action="store_true", help="no progress bar")
+    pk.set_defaults(func=cmd_pack)
+
+    inf = sub.add_parser("info", help="summary of a dataset")
+    inf.add_argument("dest")
+    inf.add_argument("--json", action="store_true")
+    inf.set_defaults(func=cmd_info)
+
+    vf = sub.add_parser("verify", help="check shards against the manifest")
+    vf.add_argument("dest")
+    vf.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
+    vf.add_argument("--json", action="store_true")
+    vf.add_argument("--quiet", action="store_true")
+    vf.set_defaults(func=cmd_verify)
+
+    ix = sub.add_parser("index", help="build a manifest for existing WebDataset tars in place")
+    ix.add_argument("dest", help="directory or prefix holding *.tar shards")
+    ix.add_argument("--overwrite", action="store_true")
+    ix.add_argument("--json", action="store_true")
+    ix.add_argument("--quiet", action="store_true")
+    ix.set_defaults(func=cmd_index)
+
+    bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)")
+    bn.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bn.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigError, SourceNotFoundError) as exc:
+        if args.debug:
+            raise
+        print(f"shardkit: error: {exc}", file=sys.stderr)
+        return 2
+    except ShardkitError as exc:
+        if args.debug:
+            raise
+        print(f"shardkit: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardkit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
