@@ -53,7 +53,7 @@ def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
     if ext in IMAGE_EXTS:
         from PIL import Image
 
-        img = Image.open(io.BytesIO(value))
+        img: Image.Image = Image.open(io.BytesIO(value))
         img = img.convert("RGB") if img.mode not in ("RGB", "L") else img
         return np.asarray(img) if images == "numpy" else img
     if ext == "npy":
@@ -114,14 +114,14 @@ class CenterCrop:
         name = self.field or next((k for k in sample if _ext(k) in IMAGE_EXTS), None)
         if name is None:
             raise ConfigError(f"sample {sample.get('__key__')!r} has no image field")
-        img = Image.open(io.BytesIO(sample[name]))
+        img: Image.Image = Image.open(io.BytesIO(sample[name]))
         img.draft("RGB", (self.resize, self.resize))
         if img.mode != "RGB":
             img = img.convert("RGB")
         w, h = img.size
         if min(w, h) != self.resize:
             scale = self.resize / min(w, h)
-            img = img.resize((max(self.resize, round(w * scale)), max(self.resize, round(h * scale))), Image.BILINEAR)
+            img = img.resize((max(self.resize, round(w * scale)), max(self.resize, round(h * scale))), Image.Resampling.BILINEAR)
             w, h = img.size
         left, top = (w - self.size) // 2, (h - self.size) // 2
         out = dict(sample)

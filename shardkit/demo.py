@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from torch.utils.data import Dataset
+
 from .codecs import CenterCrop
 
 
@@ -31,7 +33,7 @@ def _timed_epoch(make_loader: Callable[[], Any]) -> tuple[float, int, int]:
     return time.perf_counter() - t0, samples, nbytes
 
 
-class _FileImages:
+class _FileImages(Dataset):  # type: ignore[type-arg]
     """The naive baseline: one file open + read (+ decode) per sample."""
 
     def __init__(self, root: Path, decode: Callable[[dict[str, Any]], Any] | None) -> None:

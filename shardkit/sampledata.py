@@ -11,6 +11,7 @@ import importlib.util
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ def photo_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
-def load_photos() -> dict[str, "object"]:
+def load_photos() -> dict[str, Any]:
     from PIL import Image
 
     base = photo_dir()
@@ -41,16 +42,16 @@ def load_photos() -> dict[str, "object"]:
     return photos
 
 
-def jpeg_variant(img: "object", rng: np.random.Generator, side: int, quality: int) -> bytes:
+def jpeg_variant(img: Any, rng: np.random.Generator, side: int, quality: int) -> bytes:
     """A random crop/scale/flip/jitter of ``img`` as a side x side JPEG."""
     from PIL import Image, ImageEnhance
 
-    w, h = img.size  # type: ignore[attr-defined]
+    w, h = img.size
     crop = int(min(w, h) * rng.uniform(0.45, 1.0))
     x, y = int(rng.integers(0, w - crop + 1)), int(rng.integers(0, h - crop + 1))
-    out = img.crop((x, y, x + crop, y + crop)).resize((side, side), Image.BILINEAR)  # type: ignore[attr-defined]
+    out = img.crop((x, y, x + crop, y + crop)).resize((side, side), Image.Resampling.BILINEAR)
     if rng.random() < 0.5:
-        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     out = ImageEnhance.Color(out).enhance(rng.uniform(0.6, 1.4))
     out = ImageEnhance.Brightness(out).enhance(rng.uniform(0.8, 1.2))
     arr = np.asarray(out, dtype=np.int16) + rng.integers(-6, 7, size=(side, side, 3), dtype=np.int16)

@@ -55,7 +55,7 @@ class ImageTransform:
         from PIL import Image
 
         try:
-            img = Image.open(io.BytesIO(data))
+            img: Image.Image = Image.open(io.BytesIO(data))
             img.load()
         except Exception as exc:  # noqa: BLE001 - PIL raises many types for corrupt images
             raise SourceError(f"sample {key!r}: field {name!r} is not a readable image: {exc}") from exc
@@ -64,7 +64,7 @@ class ImageTransform:
         if self.resize:
             w, h = img.size
             scale = self.resize / min(w, h)
-            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+            img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BILINEAR)
         if self.bgr_to_rgb and img.mode == "RGB":
             r, g, b = img.split()
             img = Image.merge("RGB", (b, g, r))
