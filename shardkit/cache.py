@@ -28,30 +28,26 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, ClassVar, Iterator, Sequence, cast
+from typing import BinaryIO, Callable, ClassVar, Iterator, Optional, Sequence, cast
 from urllib.parse import quote
 
 import xxhash
 
-from .errors import ConfigError, IntegrityError, ShardkitError
+from .errors import CacheFullError, ConfigError, IntegrityError, ShardkitError
 
 __all__ = ["ShardRef", "Fetch", "ShardCache", "CachedShard", "CacheFullError"]
 
 log = logging.getLogger(__name__)
 
 _POLL = 0.05
-_CHUNK = 8 << 20
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
-
-
-class CacheFullError(ShardkitError, TimeoutError):
-    """Readers pin so much of the cache that the next shard cannot fit within the limit."""
+_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
 
 
 @dataclass(frozen=True)
 class ShardRef:
-    """What the cache needs to know about one shard (from ``manifest/shards.parquet``).
+    """One shard as the manifest describes it.
 
     Attributes:
         name: shard path relative to the dataset root, e.g. ``shards/shard-000003.tar``.
@@ -67,11 +63,14 @@ class ShardRef:
 Fetch = Callable[[ShardRef, BinaryIO, int], None]
 """``fetch(ref, out, start)`` writes bytes ``[start, ref.size)`` of the shard into ``out``."""
 
+# A prefetch carries the shards planned before it (it must not evict them); None = foreground.
+_Prefetch = Optional[frozenset[str]]
+
 
 class _Lock:
-    """One flock on its own open file description (so threads exclude each other too)."""
+    """One flock on its own open file description, so threads exclude each other too."""
 
-    held: ClassVar[set[int]] = set()  # fds this process holds locks on; closed in forked children
+    held: ClassVar[set[int]] = set()  # fds locked by this process; closed in forked children
 
     def __init__(self, fd: int) -> None:
         self.fd, self.pid = fd, os.getpid()
@@ -79,22 +78,18 @@ class _Lock:
     @classmethod
     def take(cls, path: str, op: int = fcntl.LOCK_EX) -> _Lock:
         """Lock ``path`` (created if missing), waiting as long as it takes."""
-        lock = cls.try_take(path, op)
-        if lock is None:
-            raise BlockingIOError(f"flock({path}) refused without LOCK_NB")
-        return lock
+        return cast(_Lock, cls.try_take(path, op))
 
     @classmethod
     def try_take(cls, path: str, op: int) -> _Lock | None:
-        """Lock ``path`` (created if missing); None when ``op`` has LOCK_NB and it is taken."""
+        """Like :meth:`take`; None when ``op`` has LOCK_NB and the lock is taken."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, op)
-        except BlockingIOError:
+        except BaseException as exc:
             os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
+            if isinstance(exc, BlockingIOError) and op & fcntl.LOCK_NB:
+                return None
             raise
         cls.held.add(fd)
         return cls(fd)
@@ -109,8 +104,8 @@ class _Lock:
 
 
 def _close_inherited_locks() -> None:
-    # Without this a DataLoader worker forked while the parent holds a lock would keep the
-    # lock alive after the parent dies, breaking "locks die with their holder".
+    # Else a DataLoader worker forked while the parent holds a lock would keep that lock
+    # alive after the parent dies: "locks die with their holder" would no longer hold.
     for fd in list(_Lock.held):
         os.close(fd)
     _Lock.held.clear()
@@ -121,25 +116,25 @@ os.register_at_fork(after_in_child=_close_inherited_locks)
 try:
     _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-except (OSError, AttributeError):  # not glibc: reservations stay logical only
+except (OSError, AttributeError):  # not glibc: the reservation stays logical only
     _fallocate = None
 
 
 def _preallocate(fd: int, size: int) -> None:
-    """Reserve disk blocks without growing st_size (FALLOC_FL_KEEP_SIZE), best effort.
+    """Reserve disk blocks but keep st_size (FALLOC_FL_KEEP_SIZE), best effort.
 
-    st_size then keeps meaning "bytes downloaded", which is where a resumed download starts.
+    st_size then keeps meaning "bytes downloaded so far", the point a resume starts from; a
+    failure (e.g. EOPNOTSUPP) only loses the early ENOSPC.
     """
     if _fallocate is not None and size > 0:
-        _fallocate(fd, 1, 0, size)  # a failure (e.g. EOPNOTSUPP) only loses the early ENOSPC
+        _fallocate(fd, 1, 0, size)
 
 
 def _file_name(name: str) -> str:
     """An injective, flat, non-hidden file name for a shard name."""
     q = quote(name, safe="")
-    if q.startswith("."):
-        q = "%2E" + q[1:]
-    if len(q) > 200:  # stay under NAME_MAX with suffixes; '%%' never occurs in quoted text
+    q = "%2E" + q[1:] if q.startswith(".") else q
+    if len(q) > 200:  # stay under NAME_MAX with suffixes; "%%" never occurs in quoted text
         q = q[:150] + "%%" + xxhash.xxh3_64_hexdigest(name.encode())
     return q
 
@@ -165,14 +160,22 @@ def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass  # already gone is the state we want
+        pass  # gone already is the state we want
 
 
-def _hash_fd(fd: int, size: int) -> str:
-    if size == 0:
-        return xxhash.xxh3_128_hexdigest(b"")
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
-        return xxhash.xxh3_128_hexdigest(m)
+def _listdir(path: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+    """Entries with their lstat; entries removed meanwhile are left out."""
+    out = []
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    out.append((e, e.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        pass  # a namespace without a .tmp dir holds nothing in flight
+    return out
 
 
 @dataclass
@@ -182,7 +185,7 @@ class _Entry:
     path: str
     ns: str
     file: str
-    size: int  # bytes counted: st_size of a shard, the full reservation of a temp file
+    size: int  # st_size of a shard; the full reservation of a temp file
     mtime: int
     temp: bool
     pid: int = 0
@@ -195,13 +198,9 @@ class _Sink(io.RawIOBase):
         super().__init__()
         self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
         self._hash = xxhash.xxh3_128()
-        done = 0
-        while done < start:  # resuming: hash the bytes already there
-            chunk = os.pread(fd, min(_CHUNK, start - done), done)
-            if not chunk:
-                break
-            self._hash.update(chunk)
-            done += len(chunk)
+        if start:  # resuming: hash the bytes already there
+            with mmap.mmap(fd, start, access=mmap.ACCESS_READ) as m:
+                self._hash.update(m)
         os.lseek(fd, start, os.SEEK_SET)
 
     def writable(self) -> bool:
@@ -222,12 +221,11 @@ class _Sink(io.RawIOBase):
         self.pos += mv.nbytes
         return mv.nbytes
 
-    def ok(self) -> bool:
-        return (not self.overflow and self.pos == self._ref.size
-                and self._hash.hexdigest() == self._ref.checksum.lower())
-
     def digest(self) -> str:
         return self._hash.hexdigest()
+
+    def ok(self) -> bool:
+        return not self.overflow and self.pos == self._ref.size and self.digest() == self._ref.checksum.lower()
 
 
 class CachedShard:
@@ -249,11 +247,9 @@ class CachedShard:
         if self._fd < 0:
             raise ValueError(f"shard {self.ref.name} is closed")
         if self._view is None:
-            if self.ref.size == 0:
-                self._view = memoryview(b"")
-            else:
+            if self.ref.size:
                 self._mmap = mmap.mmap(self._fd, self.ref.size, access=mmap.ACCESS_READ)
-                self._view = memoryview(self._mmap)
+            self._view = memoryview(self._mmap if self._mmap is not None else b"")
         return self._view
 
     def close(self) -> None:
@@ -300,32 +296,38 @@ class ShardCache:
             raise ConfigError(f"cache namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
         if wait_timeout < 0:
             raise ConfigError(f"cache wait_timeout must be >= 0, got {wait_timeout!r}")
-        self._root = os.path.abspath(os.fspath(cache_dir))
-        self._ns = namespace
+        self._root, self._ns = os.path.abspath(os.fspath(cache_dir)), namespace
         self._limit, self._verify, self._wait_timeout = limit_bytes, verify, wait_timeout
         try:
             for sub in (".tmp", ".locks"):
                 os.makedirs(os.path.join(self._root, namespace, sub), exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cache_dir {self._root} is not usable: {exc}") from exc
-        self._global_path = os.path.join(self._root, ".global.lock")
         self._verified: set[tuple[int, int]] = set()  # (st_dev, st_ino) checked by this cache
         self._mu = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
                                      "corrupt_refetches", "prefetched", "prefetch_skipped"), 0.0)
-        self._sched: dict[str, list[int]] = {}
-        self._cursor = 0
+        self._sched: dict[str, list[int]] = {}  # file -> positions in the schedule
+        self._cursor = 0  # schedule positions before this one are past
         self._cv = threading.Condition()
         self._plan: list[tuple[ShardRef, Fetch, frozenset[str]]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        with self._global():
-            self._sweep()
-
-    # ---- public API ----------------------------------------------------------------------
+        with self._global():  # sweep partial downloads of dead processes that nobody adopted
+            for e in self._scan():
+                dl = None
+                if e.temp and e.pid and not _pid_alive(e.pid):
+                    dl = _Lock.try_take(self._lock_path(e.ns, e.file, "dl"), _EX_NB)
+                if dl is not None:
+                    log.info("cache: removing stale partial download %s", e.path)
+                    _unlink(e.path)
+                    dl.release()
 
     def set_schedule(self, upcoming: Sequence[str]) -> None:
-        """Tell eviction this process's future need order (shard names, repeats allowed)."""
+        """Tell eviction this process's future need order (shard names, repeats allowed).
+
+        Each :meth:`open` of a scheduled shard moves past its next position in the schedule.
+        """
         pos: dict[str, list[int]] = {}
         for i, name in enumerate(upcoming):
             pos.setdefault(_file_name(name), []).append(i)
@@ -333,33 +335,37 @@ class ShardCache:
             self._sched, self._cursor = pos, 0
 
     def open(self, ref: ShardRef, fetch: Fetch) -> CachedShard:
-        """The verified local copy of ``ref``, downloaded if needed and pinned until closed.
+        """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
 
         Raises:
             ConfigError: the shard is larger than the cache limit.
             IntegrityError: the download disagrees with ``ref`` twice in a row.
             CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
+            Whatever ``fetch`` raises (the partial download is kept and resumed next time).
         """
-        self._check(ref)
+        if ref.size < 0:
+            raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
+        if ref.size > self._limit:
+            raise ConfigError(f"shard {ref.name} is {_fmt(ref.size)}, larger than cache_limit "
+                              f"{_fmt(self._limit)}; raise cache_limit")
         file = _file_name(ref.name)
         with self._mu:
             nxt = self._next_use(file)
-            if nxt is not None:
-                self._cursor = nxt + 1
+            self._cursor = self._cursor if nxt is None else nxt + 1
         pin = _Lock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
         try:
-            fd = self._ensure(ref, fetch, file, prefetch=None)
+            fd = self._ensure(ref, fetch, file, None)
         except BaseException:
             pin.release()
             raise
         return CachedShard(ref, self._final(file), cast(int, fd), pin)
 
     def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch, max_ahead: int = 2) -> None:
-        """Download the first ``max_ahead`` of ``refs`` in a background thread.
+        """Download the first ``max_ahead`` of ``refs``, in order, in a background thread.
 
-        Replaces any plan not started yet. A prefetch never waits: it skips a shard another
-        process is downloading, one that does not fit, and one that would need to evict a
-        shard this process's schedule needs sooner.
+        Replaces the part of an earlier plan not started yet. A prefetch never waits: it
+        skips a shard that another process is downloading, that does not fit, or that would
+        evict a shard needed sooner (earlier in ``refs`` or in the schedule).
         """
         with self._cv:
             if self._closed:
@@ -373,21 +379,20 @@ class ShardCache:
             self._cv.notify()
 
     def stats(self) -> dict[str, float]:
-        """Counters of this ShardCache: hits, misses, bytes_fetched, evictions, wait_seconds,
+        """This cache's counters: hits, misses, bytes_fetched, evictions, wait_seconds,
         corrupt_refetches, prefetched, prefetch_skipped."""
         with self._mu:
             return dict(self._stats)
 
     def usage(self) -> int:
-        """Bytes counted against the limit right now: shards plus reserved downloads."""
+        """Bytes counted against the limit now (all namespaces): shards plus reservations."""
         with self._global(fcntl.LOCK_SH):
             return sum(e.size for e in self._scan())
 
     def close(self) -> None:
-        """Stop prefetching (waits for a download in progress). Open shards stay valid."""
+        """Stop prefetching (after a download in progress). Open shards stay valid."""
         with self._cv:
-            self._closed = True
-            self._plan = []
+            self._closed, self._plan = True, []
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
@@ -399,7 +404,7 @@ class ShardCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- paths, accounting ---------------------------------------------------------------
+    # ---- bookkeeping ----------------------------------------------------------------------
 
     def _final(self, file: str) -> str:
         return os.path.join(self._root, self._ns, file)
@@ -412,7 +417,7 @@ class ShardCache:
 
     @contextmanager
     def _global(self, op: int = fcntl.LOCK_EX) -> Iterator[None]:
-        lock = _Lock.take(self._global_path, op)
+        lock = _Lock.take(os.path.join(self._root, ".global.lock"), op)
         try:
             yield
         finally:
@@ -422,55 +427,30 @@ class ShardCache:
         with self._mu:
             self._stats[key] += value
 
-    def _check(self, ref: ShardRef) -> None:
-        if ref.size < 0:
-            raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
-        if ref.size > self._limit:
-            raise ConfigError(f"shard {ref.name} is {_fmt(ref.size)}, larger than cache_limit "
-                              f"{_fmt(self._limit)}; raise cache_limit")
-
     def _next_use(self, file: str) -> int | None:
-        positions = self._sched.get(file)
-        if not positions:
-            return None
+        positions = self._sched.get(file, [])
         k = bisect.bisect_left(positions, self._cursor)
         return positions[k] if k < len(positions) else None
 
     def _scan(self) -> list[_Entry]:
-        """Every file that counts against the limit (call under the global lock)."""
+        """Every file that counts against the limit (global lock held, so it is exact)."""
         out: list[_Entry] = []
-        for ns in _listdir(self._root):
+        for ns, _ in _listdir(self._root):
             if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):
                 continue
-            for e in _listdir(ns.path):
-                if e.name == ".tmp":
-                    for t in _listdir(e.path):
-                        m = _TEMP.match(t.name)
-                        st = _stat(t)
-                        if st is not None:
-                            size = max(st.st_size, int(m["size"]) if m else 0)
-                            out.append(_Entry(t.path, ns.name, m["file"] if m else t.name, size,
-                                              st.st_mtime_ns, True, int(m["pid"]) if m else 0))
-                elif not e.is_dir(follow_symlinks=False):
-                    st = _stat(e)
-                    if st is not None:
-                        out.append(_Entry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
+            for e, st in _listdir(ns.path):
+                if not e.is_dir(follow_symlinks=False):
+                    out.append(_Entry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
+            for t, st in _listdir(os.path.join(ns.path, ".tmp")):
+                m = _TEMP.match(t.name)
+                file, size, pid = (m["file"], int(m["size"]), int(m["pid"])) if m else (t.name, 0, 0)
+                out.append(_Entry(t.path, ns.name, file, max(st.st_size, size), st.st_mtime_ns, True, pid))
         return out
-
-    def _sweep(self) -> None:
-        """Remove temp files of dead processes that nobody is downloading into (global lock held)."""
-        for e in self._scan():
-            if e.temp and e.pid and not _pid_alive(e.pid):
-                dl = _Lock.try_take(self._lock_path(e.ns, e.file, "dl"), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if dl is not None:
-                    log.info("cache: removing stale partial download %s", e.path)
-                    _unlink(e.path)
-                    dl.release()
 
     # ---- the download path ---------------------------------------------------------------
 
     def _open_final(self, ref: ShardRef, file: str) -> tuple[str, int | None]:
-        """("ok", fd) for a good cached copy, ("missing", None) or ("corrupt", None)."""
+        """("ok", fd) for a good cached copy, else ("missing", None) or ("corrupt", None)."""
         try:
             fd = os.open(self._final(file), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -478,9 +458,8 @@ class ShardCache:
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
-            good = st.st_size == ref.size and (
-                not self._verify or key in self._verified or _hash_fd(fd, ref.size) == ref.checksum.lower())
-            if good:
+            if st.st_size == ref.size and (not self._verify or key in self._verified
+                                           or _hash_fd(fd, ref.size) == ref.checksum.lower()):
                 self._verified.add(key)
                 os.utime(fd)  # last access, for LRU eviction
                 return "ok", fd
@@ -490,19 +469,15 @@ class ShardCache:
         os.close(fd)
         return "corrupt", None
 
-    def _ensure(self, ref: ShardRef, fetch: Fetch, file: str, *, prefetch: frozenset[str] | None) -> int | None:
-        """An fd of the verified shard (pin held by the caller); None if a prefetch skipped it.
-
-        ``prefetch`` is None for a foreground open, else the shards earlier in the same
-        prefetch plan (a prefetch never evicts them, nor shards the schedule needs sooner).
-        """
+    def _ensure(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: _Prefetch) -> int | None:
+        """An fd of the verified shard (its pin held by the caller); None if a prefetch skips."""
         state, fd = self._open_final(ref, file)
         downloaded = False
         if state != "ok":
             t0 = time.monotonic()
             dl = _Lock.try_take(self._lock_path(self._ns, file, "dl"),
                                 fcntl.LOCK_EX | (0 if prefetch is None else fcntl.LOCK_NB))
-            if dl is None:  # another process is downloading it: that is prefetch enough
+            if dl is None:  # another process is downloading it: prefetch enough
                 self._add("prefetch_skipped")
                 return None
             try:
@@ -529,8 +504,8 @@ class ShardCache:
             self._add("misses" if downloaded else "hits")
         return fd
 
-    def _download(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: frozenset[str] | None) -> bool:
-        """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skipped."""
+    def _download(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: _Prefetch) -> bool:
+        """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skips."""
         got = self._reserve(ref, file, prefetch)
         if got is None:
             return False
@@ -538,7 +513,7 @@ class ShardCache:
         for attempt in (1, 2):
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
             try:
-                if start == 0 and attempt == 2:
+                if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
                     _preallocate(fd, ref.size)
                 sink = _Sink(fd, ref, start)
@@ -557,90 +532,82 @@ class ShardCache:
                     return True
             finally:
                 os.close(fd)
-            log.warning("cache: shard %s: got %d bytes with xxh3 %s (attempt %d, from byte %d), manifest "
-                        "says %d bytes with %s", ref.name, sink.pos, sink.digest(), attempt, start,
-                        ref.size, ref.checksum)
+            log.warning("cache: shard %s: got %d bytes with xxh3 %s from byte %d (attempt %d); the "
+                        "manifest says %d bytes with %s", ref.name, sink.pos, sink.digest(), start,
+                        attempt, ref.size, ref.checksum)
             start = 0
         with self._global():
             _unlink(tmp)
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
                              f"xxh3 {ref.checksum}) twice; last got {sink.pos} bytes with xxh3 {sink.digest()}")
 
-    def _reserve(self, ref: ShardRef, file: str, prefetch: frozenset[str] | None) -> tuple[str, int] | None:
-        """A temp file counting ``ref.size`` and the bytes already in it; None if a prefetch skips."""
+    def _reserve(self, ref: ShardRef, file: str, prefetch: _Prefetch) -> tuple[str, int] | None:
+        """A temp file that counts ``ref.size``, and the bytes already in it.
+
+        Waits (polling) while readers pin the space; a prefetch returns None instead.
+        """
         t0 = time.monotonic()
         try:
-            return self._reserve_loop(ref, file, prefetch, t0)
+            while True:
+                with self._global():
+                    got = self._adopt(ref, file)
+                    if got is not None:
+                        return got
+                    entries = self._scan()
+                    excess = sum(e.size for e in entries) + ref.size - self._limit
+                    blockers = self._evict(entries, excess, file, prefetch) if excess > 0 else None
+                    if blockers is None:
+                        tmp = self._temp(file, ref.size)
+                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                        _preallocate(fd, ref.size)
+                        os.close(fd)
+                        return tmp, 0
+                waited = time.monotonic() - t0
+                if prefetch is not None:
+                    return None
+                if waited >= self._wait_timeout:
+                    pinned = [e for e in blockers or [] if not e.temp]
+                    flight = [e for e in blockers or [] if e.temp]
+                    raise CacheFullError(
+                        f"cache_limit {_fmt(self._limit)} too small: {len(pinned)} shards in use by readers "
+                        f"hold {_fmt(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
+                        f"reserve {_fmt(sum(e.size for e in flight))}; need {_fmt(ref.size)} for {ref.name} "
+                        f"(waited {waited:.1f} s in {self._root})")
+                time.sleep(_POLL)
         finally:
             if time.monotonic() - t0 >= _POLL:  # count waiting, not the usual quick pass
                 self._add("wait_seconds", time.monotonic() - t0)
 
-    def _reserve_loop(self, ref: ShardRef, file: str, prefetch: frozenset[str] | None,
-                      t0: float) -> tuple[str, int] | None:
-        while True:
-            with self._global():
-                got = self._adopt(ref, file)
-                if got is not None:
-                    return got
-                entries = self._scan()
-                excess = sum(e.size for e in entries) + ref.size - self._limit
-                blockers = self._evict(entries, excess, file, prefetch) if excess > 0 else None
-                if blockers is None:
-                    tmp = self._temp(file, ref.size)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                    _preallocate(fd, ref.size)
-                    os.close(fd)
-                    return tmp, 0
-            waited = time.monotonic() - t0
-            if prefetch is not None:
-                return None
-            if waited >= self._wait_timeout:
-                pinned = [e for e in blockers or [] if not e.temp]
-                flight = [e for e in blockers or [] if e.temp]
-                raise CacheFullError(
-                    f"cache_limit {_fmt(self._limit)} too small: {len(pinned)} shards in use by readers "
-                    f"hold {_fmt(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
-                    f"reserve {_fmt(sum(e.size for e in flight))}; need {_fmt(ref.size)} for {ref.name} "
-                    f"(waited {waited:.1f} s in {self._root})")
-            time.sleep(_POLL)
-
     def _adopt(self, ref: ShardRef, file: str) -> tuple[str, int] | None:
-        """Take over a partial download of ``ref`` from any process (download lock held, so
-        nobody writes it); returns it under this pid's name with its length."""
-        tmpdir = os.path.join(self._root, self._ns, ".tmp")
-        found: str | None = None
-        for t in _listdir(tmpdir):
+        """Take over a partial download of ``ref`` left by any process (global and download
+        locks held, so nobody writes it); return it under this pid's name, with its length."""
+        found = None
+        for t, st in _listdir(os.path.join(self._root, self._ns, ".tmp")):
             m = _TEMP.match(t.name)
-            if m is None or m["file"] != file:
-                continue
-            if found is None and int(m["size"]) == ref.size:
-                found = t.path
-            else:
-                _unlink(t.path)
+            if m is not None and m["file"] == file:
+                if found is None and int(m["size"]) == ref.size and st.st_size <= ref.size:
+                    found = t.path, st.st_size
+                else:
+                    _unlink(t.path)
         if found is None:
             return None
         mine = self._temp(file, ref.size)
-        os.replace(found, mine)
-        size = os.stat(mine).st_size
-        if size > ref.size:
-            os.truncate(mine, 0)
-            size = 0
-        return mine, size
+        os.replace(found[0], mine)
+        return mine, found[1]
 
-    def _evict(self, entries: list[_Entry], excess: int, file: str,
-               prefetch: frozenset[str] | None) -> list[_Entry] | None:
+    def _evict(self, entries: list[_Entry], excess: int, file: str, prefetch: _Prefetch) -> list[_Entry] | None:
         """Delete unpinned files until ``excess`` bytes are free (global lock held).
 
         Order: abandoned partial downloads, then shards not in this process's schedule (least
         recently used first), then scheduled shards, furthest next use first. Returns None on
-        success, else (deleting nothing) the entries that could not be evicted.
+        success, else (having deleted nothing) the files that could not be evicted.
         """
         with self._mu:
-            uses = {e.file: self._next_use(e.file) for e in entries if e.ns == self._ns and not e.temp}
+            uses = {e.file: self._next_use(e.file) for e in entries if e.ns == self._ns}
             mine = self._next_use(file)
         ranked: list[tuple[tuple[int, int], _Entry]] = []
         for e in entries:
-            nxt = uses.get(e.file) if e.ns == self._ns and not e.temp else None
+            nxt = uses.get(e.file) if e.ns == self._ns else None
             if e.temp:
                 ranked.append(((0, e.mtime), e))
             elif prefetch is not None and e.ns == self._ns and e.file in prefetch:
@@ -657,26 +624,22 @@ class ShardCache:
             for _, e in ranked:
                 if freed >= excess:
                     break
-                lock = _Lock.try_take(self._lock_path(e.ns, e.file, "dl" if e.temp else "pin"),
-                                      fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock = _Lock.try_take(self._lock_path(e.ns, e.file, "dl" if e.temp else "pin"), _EX_NB)
                 if lock is None:
                     blockers.append(e)
-                    continue
-                held.append((e, lock))
-                freed += e.size
+                else:
+                    held.append((e, lock))
+                    freed += e.size
             if freed < excess:
                 return blockers
             for e, _ in held:
                 log.debug("cache: evicting %s (%d bytes)", e.path, e.size)
                 _unlink(e.path)
-                if not e.temp:
-                    self._add("evictions")
+                self._add("evictions", float(not e.temp))
             return None
         finally:
             for _, lock in held:
                 lock.release()
-
-    # ---- prefetch ------------------------------------------------------------------------
 
     def _prefetch_loop(self) -> None:
         while True:
@@ -688,10 +651,11 @@ class ShardCache:
                 ref, fetch, earlier = self._plan.pop(0)
             file = _file_name(ref.name)
             pin = _Lock.try_take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if pin is None:  # being evicted right now
+            if pin is None:  # being evicted this instant
+                self._add("prefetch_skipped")
                 continue
             try:
-                fd = self._ensure(ref, fetch, file, prefetch=earlier)
+                fd = self._ensure(ref, fetch, file, earlier)
                 if fd is not None:
                     os.close(fd)
             except Exception as exc:  # the foreground open retries (and resumes) it
@@ -700,16 +664,8 @@ class ShardCache:
                 pin.release()
 
 
-def _listdir(path: str) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
-
-
-def _stat(e: os.DirEntry[str]) -> os.stat_result | None:
-    try:
-        return e.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return None
+def _hash_fd(fd: int, size: int) -> str:
+    if size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+        return xxhash.xxh3_128_hexdigest(m)

@@ -50,3 +50,7 @@ class StorageError(ShardkitError, OSError):
 
 class StoragePermissionError(StorageError, PermissionError):
     """Storage refused the credentials."""
+
+
+class CacheFullError(ShardkitError, TimeoutError):
+    """Readers pin so much of the node cache that the next shard cannot fit within its limit."""

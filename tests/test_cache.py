@@ -341,9 +341,9 @@ def test_prefetch_stays_within_limit_and_skips_what_does_not_fit(tmp_path: Path)
     with s.cache(limit) as cache:
         sampler = UsageSampler(cache)
         sampler.start()
-        cache.prefetch(s.refs, replace(s.remote, delay=0.002), max_ahead=6)
+        cache.prefetch(s.refs, replace(s.remote, delay=0.01), max_ahead=6)
         wait_for(lambda: cache.stats()["prefetched"] + cache.stats()["prefetch_skipped"] == 6)
-        assert sampler.finish() <= limit and sampler.samples > 10
+        assert sampler.finish() <= limit and sampler.samples > 5
         # the plan's own order protects its earlier shards from its later ones
         assert s.cached() == {s.refs[0].name, s.refs[1].name}
         assert cache.stats()["evictions"] == 0
