@@ -44,6 +44,7 @@ class PackSample:
         return sum(v.size if isinstance(v, StreamedField) else len(v) for v in self.fields.values())
 
 
+MAX_KEY = 160
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
 _FIELD_OK = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 
@@ -53,15 +54,18 @@ def safe_key(raw: str | bytes) -> str:
 
     WebDataset groups members by the text before the first dot of the basename, so keys may
     hold no dot and no slash. Unsafe characters become ``_`` and, when anything changed, an
-    8-hex xxh64 of the original is appended so two different originals never collide.
+    8-hex xxh64 of the original is appended so two different originals never collide; keys
+    longer than ``MAX_KEY`` are cut and get the same suffix, so extracted members stay valid
+    file names.
     Deterministic: the same input always gives the same key.
     """
     raw_bytes = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
     text = raw_bytes.decode("utf-8", "replace")
     cleaned = _UNSAFE.sub("_", text)
-    if cleaned == text and cleaned:
+    if cleaned == text and 0 < len(cleaned) <= MAX_KEY:
         return cleaned
-    return f"{cleaned[:180]}-{xxhash.xxh64_hexdigest(raw_bytes)[:8]}"
+    # Shortened too: with the field suffix, a member name must fit a file name (255 bytes).
+    return f"{cleaned[:MAX_KEY - 9]}-{xxhash.xxh64_hexdigest(raw_bytes)[:8]}"
 
 
 def check_field_name(name: str) -> None:

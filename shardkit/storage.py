@@ -95,6 +95,19 @@ def is_transient(exc: BaseException) -> bool:
     return any(m in text for m in markers)
 
 
+# s3fs and botocore already retry a refused connect several times (~3 s) before it reaches us;
+# retrying that RETRY_ATTEMPTS more times made a wrong endpoint take ~15 s per call. One more
+# try covers a server restarting; a dead endpoint then fails in seconds.
+CONNECT_ATTEMPTS = 2
+
+
+def _attempts_for(exc: BaseException, attempts: int) -> int:
+    text = f"{type(exc).__name__} {exc}"
+    if "EndpointConnectionError" in text or "Could not connect to the endpoint" in text:
+        return min(attempts, CONNECT_ATTEMPTS)
+    return attempts
+
+
 def _backoff(attempt: int) -> float:
     # Capped exponential backoff with full jitter (spreads retries of many workers).
     return random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt))
@@ -135,7 +148,7 @@ def retrying(fn: Callable[[], T], what: str, where: str, attempts: int = RETRY_A
         except Exception as exc:  # noqa: BLE001 - classified below, re-raised translated
             if isinstance(exc, ShardkitError):
                 raise
-            if attempt + 1 < attempts and is_transient(exc):
+            if attempt + 1 < _attempts_for(exc, attempts) and is_transient(exc):
                 time.sleep(_backoff(attempt))
                 continue
             raise translate(exc, what, where) from exc
@@ -337,7 +350,7 @@ class Store:
                 if isinstance(exc, ShardkitError):
                     raise
                 failures += 1
-                if failures < RETRY_ATTEMPTS and is_transient(exc):
+                if failures < _attempts_for(exc, RETRY_ATTEMPTS) and is_transient(exc):
                     time.sleep(_backoff(failures))
                     continue
                 raise translate(exc, rel, self.where) from exc

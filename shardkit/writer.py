@@ -136,12 +136,18 @@ class TarShard:
             return
         self.closed = True
         try:
-            if hasattr(self._file, "discard"):
+            if self._local:
+                # Local files write straight to the .tmp name (autocommit): fsspec's
+                # LocalFileOpener.discard() raises in that mode, so close and delete instead.
+                self._file.close()
+                self.store.remove(self._write_path)
+            elif hasattr(self._file, "discard"):
                 self._file.discard()
+                # s3fs's discard drops the buffer but leaves the file "open": its __del__ would
+                # then flush a None buffer (AttributeError at garbage collection). Mark it closed.
+                self._file.closed = True
             else:
                 self._file.close()
-            if self._local:
-                self.store.remove(self._write_path)
         except Exception:  # noqa: BLE001 - best effort cleanup while another error propagates
             log.debug("cleanup of %s failed", self._write_path, exc_info=True)
 
@@ -155,6 +161,15 @@ def _copy_stream(sink: _HashingSink, value: StreamedField, member: str) -> None:
         sink.write(chunk)
     if written != value.size:
         raise SourceError(f"member {member}: source produced {written} bytes, declared {value.size}")
+
+
+def tar_size(sample: PackSample) -> int:
+    """Bytes :meth:`TarShard.add` writes for ``sample``: headers, bodies and padding."""
+    total = 0
+    for name, value in sample.fields.items():
+        size = value.size if isinstance(value, StreamedField) else len(value)
+        total += len(member_header(f"{sample.key}.{name}", size)) + size + padding(size)
+    return total
 
 
 class ShardWriter:
@@ -182,7 +197,9 @@ class ShardWriter:
     def write(self, sample: PackSample) -> None:
         cur = self._current
         if cur is not None and len(cur.rows) > 0:
-            full_bytes = cur.bytes_written + sample.nbytes() > self.shard_bytes
+            # Count what the sample really adds (headers, padding) and the end-of-archive
+            # blocks, so a shard of two or more samples never grows past shard_bytes.
+            full_bytes = cur.bytes_written + tar_size(sample) + len(END_OF_ARCHIVE) > self.shard_bytes
             full_count = self.shard_samples is not None and len(cur.rows) >= self.shard_samples
             if full_bytes or full_count:
                 self._finish()

@@ -23,7 +23,8 @@ def walk_files(root: Path) -> Iterator[tuple[str, int]]:
     """(relative posix path, size) of every regular file under ``root``, sorted, no hidden files.
 
     Symlinks to files are followed (users lay out datasets with them); symlinked directories
-    are not, so a link loop cannot hang the listing.
+    are not, so a link loop cannot hang the listing. Dangling symlinks are listed (size 0) so
+    that loading them fails with an error naming them.
     """
     stack = [root]
     found: list[tuple[str, int]] = []
@@ -44,6 +45,10 @@ def walk_files(root: Path) -> Iterator[tuple[str, int]]:
                 except OSError as exc:
                     raise SourceError(f"cannot stat {e.path}: {exc.strerror}") from exc
                 found.append((Path(e.path).relative_to(root).as_posix(), size))
+            elif e.is_symlink() and not os.path.exists(e.path):
+                # A dangling link is a file the user meant to pack whose data is gone: list it,
+                # so loading it fails naming it (or on_error="skip" records it), never drop it silently.
+                found.append((Path(e.path).relative_to(root).as_posix(), 0))
     found.sort()
     return iter(found)
 
@@ -125,13 +130,19 @@ class FolderSource:
             first = first or rel
             path = root / rel
             fields[field] = read_field(path, _size(path))
-        return PackSample(item.key, fields, {"source": _raw_key(first or item.key)})
+        return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
         return {"type": "folder", "path": self.root}
 
     def labels(self) -> dict[str, int] | None:
         return None
+
+
+def _text(name: str) -> str:
+    """A file name as valid UTF-8 for the manifest: undecodable bytes (surrogate-escaped by
+    ``os.scandir``) become U+FFFD; Arrow refuses lone surrogates."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _raw_key(rel: str) -> str:
@@ -190,7 +201,7 @@ class ImageFolderSource:
         ext = "jpg" if ext == "jpeg" else ext
         image = read_field(path, _size(path))
         return PackSample(item.key, {ext: image, "cls": str(label).encode()},
-                          {"label": label, "class_name": cls, "source": item.ref})
+                          {"label": label, "class_name": _text(cls), "source": _text(item.ref)})
 
     def describe(self) -> dict[str, Any]:
         return {"type": "imagefolder", "path": self.root}

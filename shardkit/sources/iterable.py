@@ -50,7 +50,9 @@ def samples_from_iterable(items: Iterable[dict[str, Any]]) -> Iterator[PackSampl
         seen.add(key)
         meta = dict(item.get("__meta__") or {})
         if key != raw:
-            meta.setdefault("source", raw if isinstance(raw, str) else raw.decode("utf-8", "replace"))
+            # The manifest needs valid UTF-8: undecodable bytes (or their surrogate escapes) -> U+FFFD.
+            raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "surrogateescape")
+            meta.setdefault("source", raw_bytes.decode("utf-8", "replace"))
         fields = {f: encode_value(key, f, v) for f, v in item.items() if not f.startswith("__")}
         if not fields:
             raise SourceError(f"sample {key!r} (item {i}) has no fields")

@@ -1,0 +1,243 @@
+"""Bad input: each case fails with one clear line naming the object at fault (API and CLI)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardkit
+from shardkit.errors import (DatasetExistsError, ShardkitError, SourceError, SourceNotFoundError, StorageError,
+                             StoragePermissionError)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    # PYTHONPATH: run this checkout's shardkit whatever the cwd.
+    full = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True,
+                          env=full, timeout=timeout, cwd=REPO)
+
+
+def one_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+def check_message(exc: BaseException, *names: str) -> None:
+    msg = str(exc)
+    assert "\n" not in msg, msg
+    for name in names:
+        assert name in msg, (name, msg)
+
+
+def folder(root: Path, n: int = 4) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"s{i}.txt").write_bytes(f"sample {i}".encode() * 50)
+    return root
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when we return: connections are refused
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def test_missing_source(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(SourceNotFoundError) as err:
+        shardkit.pack(str(missing), str(tmp_path / "out"), progress=False)
+    assert isinstance(err.value, FileNotFoundError)
+    check_message(err.value, str(missing))
+    r = cli("pack", str(missing), str(tmp_path / "out2"))
+    assert r.returncode != 0 and str(missing) in one_line(r.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_empty_source_dir(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / ".hidden").write_text("x")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(empty), str(tmp_path / "out"), progress=False)
+    check_message(err.value, str(empty))
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(empty), str(tmp_path / "out"), labels_from_dirs=True, progress=False)
+    check_message(err.value, str(empty))
+    r = cli("pack", str(empty), str(tmp_path / "out2"))
+    assert r.returncode == 1 and str(empty) in one_line(r.stderr)
+
+
+def make_unreadable(path: Path) -> str:
+    """Make ``path`` unreadable; returns how.
+
+    chmod 000 blocks reads only for non-root users. As root (containers, CI) nothing blocks
+    a read of a regular file, so the file becomes a broken symlink instead: a name that is
+    listed but whose data cannot be read, which is what a vanished or unreadable file looks
+    like to the packer.
+    """
+    if os.geteuid() != 0:
+        path.chmod(0)
+        return "chmod"
+    path.unlink()
+    path.symlink_to(path.parent / "vanished-target")
+    return "broken symlink"
+
+
+@pytest.mark.parametrize("kind", ["folder", "imagefolder"])
+def test_unreadable_file(tmp_path: Path, kind: str) -> None:
+    if kind == "folder":
+        src = folder(tmp_path / "src")
+        bad = src / "s2.txt"
+        kw: dict[str, Any] = {}
+    else:
+        src = tmp_path / "src"
+        folder(src / "cls0")
+        for i in range(3):
+            (src / "cls0" / f"i{i}.jpg").write_bytes(b"\xff\xd8 fake jpeg %d" % i)
+        bad = src / "cls0" / "i1.jpg"
+        kw = {"labels_from_dirs": True}
+    how = make_unreadable(bad)
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(src), str(tmp_path / "out"), progress=False, **kw)
+    check_message(err.value, str(bad))
+    assert not (tmp_path / "out" / "dataset.json").exists()
+    # on_error="skip": the rest is packed and the bad file is listed in dataset.json.
+    info = shardkit.pack(str(src), str(tmp_path / "skip"), on_error="skip", progress=False, **kw)
+    assert [s["ref"] for s in info["skipped"]] and str(bad.relative_to(src)) in info["skipped"][0]["ref"], how
+    ds = shardkit.open_dataset(str(tmp_path / "skip"))
+    assert ds.num_samples == info["num_samples"] >= 2 and ds.info["skipped"] == info["skipped"]
+    assert ds.verify(deep=True)["ok"]
+    if kind == "folder":
+        r = cli("pack", str(src), str(tmp_path / "out2"))
+        assert r.returncode == 1 and str(bad) in one_line(r.stderr)
+
+
+def test_duplicate_keys_in_file_list(tmp_path: Path) -> None:
+    src = folder(tmp_path / "files")
+    lst = tmp_path / "list.csv"
+    lst.write_text("path,key\nfiles/s0.txt,a\nfiles/s1.txt,b\nfiles/s2.txt,a\n")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(lst), str(tmp_path / "out"), progress=False)
+    check_message(err.value, "'a'", str(lst), "s0.txt", "s2.txt")
+    lst2 = tmp_path / "list2.csv"  # no key column: the same path twice is the same key twice
+    lst2.write_text("path\nfiles/s0.txt\nfiles/s1.txt\nfiles/s0.txt\n")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(lst2), str(tmp_path / "out"), progress=False)
+    check_message(err.value, "duplicate", str(lst2))
+    assert src.exists() and not (tmp_path / "out").exists()
+    r = cli("pack", str(lst), str(tmp_path / "out3"))
+    assert r.returncode == 1 and "duplicate key 'a'" in one_line(r.stderr)
+
+
+def test_duplicate_keys_in_iterable(tmp_path: Path) -> None:
+    items = [{"__key__": k, "txt": f"v{i}"} for i, k in enumerate(["a", "b", "c", "b"])]
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(iter(items), str(tmp_path / "out"), shard_bytes=1000, progress=False)
+    check_message(err.value, "'b'", "item 3")
+    with pytest.raises(shardkit.errors.DatasetNotFoundError):
+        shardkit.open_dataset(str(tmp_path / "out"))
+
+
+# --------------------------------------------------------------------------- destination
+
+
+def test_destination_holding_a_dataset(tmp_path: Path) -> None:
+    src = folder(tmp_path / "src")
+    dest = tmp_path / "ds"
+    shardkit.pack(str(src), str(dest), progress=False)
+    (src / "s9.txt").write_bytes(b"new sample")
+    with pytest.raises(DatasetExistsError) as err:
+        shardkit.pack(str(src), str(dest), progress=False)
+    assert isinstance(err.value, FileExistsError)
+    check_message(err.value, str(dest), "overwrite")
+    with pytest.raises(DatasetExistsError):
+        shardkit.pack(iter([{"__key__": "x", "txt": "y"}]), str(dest), progress=False)
+    assert shardkit.open_dataset(str(dest)).num_samples == 4  # untouched
+    r = cli("pack", str(src), str(dest))
+    assert r.returncode == 1 and "--overwrite" in one_line(r.stderr)
+    assert shardkit.pack(str(src), str(dest), overwrite=True, progress=False)["num_samples"] == 5
+    assert shardkit.open_dataset(str(dest)).verify(deep=True)["ok"]
+    (src / "s8.txt").write_bytes(b"another")
+    r = cli("pack", str(src), str(dest), "--overwrite", "--quiet")
+    assert r.returncode == 0, r.stderr
+    ds = shardkit.open_dataset(str(dest))
+    assert ds.num_samples == 6 and ds.verify(deep=True)["ok"]
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def test_wrong_credentials_on_s3(s3_server: Any, s3_bucket: str, tmp_path: Path) -> None:
+    src = folder(tmp_path / "src")
+    wrong_secret = "WRONGsecret" + "9" * 29
+    opts = s3_server.storage_options()
+    opts["secret"] = wrong_secret
+    t0 = time.monotonic()
+    with pytest.raises(StoragePermissionError) as err:
+        shardkit.pack(str(src), f"{s3_bucket}/ds", storage_options=opts, progress=False)
+    assert time.monotonic() - t0 < 20
+    assert isinstance(err.value, PermissionError)
+    check_message(err.value, s3_bucket)
+    for secret in (wrong_secret, s3_server.secret):
+        assert secret not in str(err.value) and secret not in repr(err.value)
+
+    # Reading with wrong keys is refused the same way (a good pack first, then bad keys).
+    shardkit.pack(str(src), f"{s3_bucket}/ok", storage_options=s3_server.storage_options(), progress=False)
+    with pytest.raises(StoragePermissionError) as err:
+        shardkit.open_dataset(f"{s3_bucket}/ok", storage_options=opts)
+    assert wrong_secret not in str(err.value)
+
+    env = {**s3_server.env(), "AWS_SECRET_ACCESS_KEY": wrong_secret}
+    for args in (("pack", str(src), f"{s3_bucket}/cli"), ("info", f"{s3_bucket}/ok")):
+        r = cli(*args, env=env)
+        assert r.returncode == 1, (args, r.stderr)
+        line = one_line(r.stderr)
+        assert "denied" in line or "credentials" in line, line
+        for secret in (wrong_secret, s3_server.secret):
+            assert secret not in r.stderr and secret not in r.stdout
+
+
+def test_unreachable_endpoint(tmp_path: Path) -> None:
+    src = folder(tmp_path / "src")
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    opts = {"key": "k", "secret": "s3cr3t-value-xyz", "client_kwargs": {"endpoint_url": endpoint}}
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as err:
+        shardkit.pack(str(src), "s3://bucket/ds", storage_options=opts, progress=False)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20, f"took {elapsed:.1f}s"  # a hang guard, not a performance assertion
+    check_message(err.value, endpoint)
+    assert "s3cr3t-value-xyz" not in str(err.value)
+
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value-xyz"}
+    t0 = time.monotonic()
+    r = cli("info", "s3://bucket/ds", env=env, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 1 and endpoint in one_line(r.stderr)
+    assert "s3cr3t-value-xyz" not in r.stderr
+
+
+def test_errors_are_shardkit_errors(tmp_path: Path) -> None:
+    # Bad options are ConfigErrors naming the option, raised before anything is written.
+    src = folder(tmp_path / "src")
+    for kw, name in (({"shard_bytes": "12XB"}, "shard_bytes"), ({"engine": "spark"}, "engine"),
+                     ({"on_error": "ignore"}, "on_error"), ({"shard_samples": 0}, "shard_samples")):
+        with pytest.raises(ShardkitError) as err:
+            shardkit.pack(str(src), str(tmp_path / "out"), progress=False, **kw)
+        assert isinstance(err.value, ValueError)
+        check_message(err.value, name)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,160 @@
+"""ShardWriter and keys: rollover, streamed members, short/long streams, safe keys, odd names."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import fsspec
+import pytest
+import xxhash
+
+import shardkit
+from shardkit.errors import SourceError
+from shardkit.sample import PackSample, StreamedField, safe_key
+from shardkit.storage import Store
+from shardkit.writer import ShardWriter
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    url = f"memory://writer-{uuid.uuid4().hex[:8]}"
+    yield Store(url)
+    fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+def sample(i: int, size: int = 1000) -> PackSample:
+    return PackSample(f"k{i:04d}", {"bin": bytes([i % 251]) * size, "cls": str(i % 3).encode()})
+
+
+def members(store: Store, path: str) -> list[tuple[str, bytes]]:
+    with tarfile.open(fileobj=io.BytesIO(store.read_bytes(path)), mode="r:") as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf]  # type: ignore[union-attr]
+
+
+def test_rollover_by_bytes_keeps_shards_within_the_limit(store: Store) -> None:
+    limit = 8000
+    with ShardWriter(store, shard_bytes=limit) as w:
+        for i in range(20):
+            w.write(sample(i))
+    assert len(w.shards) >= 4
+    assert [s.shard for s in w.shards] == list(range(len(w.shards)))
+    assert sum(s.num_samples for s in w.shards) == len(w.rows) == 20
+    for rec in w.shards:
+        data = store.read_bytes(rec.path)
+        assert len(data) == rec.bytes
+        assert xxhash.xxh3_128_hexdigest(data) == rec.checksum
+        assert rec.bytes <= limit, rec  # every shard here holds >= 2 samples
+    # Greedy: a shard closed only because the next sample did not fit.
+    per_sample = 512 + 1024 + 512 + 512  # bin header+body, cls header+body
+    for rec in w.shards[:-1]:
+        assert rec.bytes + per_sample > limit
+    # All samples present, in order, across shards.
+    names = [n for rec in w.shards for n, _ in members(store, rec.path)]
+    assert names == [f"k{i:04d}.{f}" for i in range(20) for f in ("bin", "cls")]
+
+
+def test_rollover_by_sample_count_and_oversized_sample(store: Store) -> None:
+    with ShardWriter(store, shard_bytes=10**9, shard_samples=3) as w:
+        for i in range(10):
+            w.write(sample(i))
+    assert [s.num_samples for s in w.shards] == [3, 3, 3, 1]
+    # A sample bigger than shard_bytes still gets a shard of its own (never dropped, never split).
+    with ShardWriter(Store(store.url + "/big"), shard_bytes=2000) as w2:
+        w2.write(sample(0, 100))
+        w2.write(sample(1, 5000))
+        w2.write(sample(2, 100))
+    assert [s.num_samples for s in w2.shards] == [1, 1, 1]
+
+
+def chunked(data: bytes, step: int) -> StreamedField:
+    return StreamedField(len(data), lambda: (data[i:i + step] for i in range(0, len(data), step)))
+
+
+def test_streamed_field_writes_the_same_bytes_as_bytes(tmp_path: Path) -> None:
+    big = os.urandom(300_000) + b"tail"
+    a, b = Store(str(tmp_path / "a")), Store(str(tmp_path / "b"))
+    with ShardWriter(a, shard_bytes=10**6) as wa:
+        wa.write(PackSample("x", {"npy": big, "txt": b"hi"}))
+    with ShardWriter(b, shard_bytes=10**6) as wb:
+        wb.write(PackSample("x", {"npy": chunked(big, 65_536 + 7), "txt": b"hi"}))
+    assert a.read_bytes(wa.shards[0].path) == b.read_bytes(wb.shards[0].path)
+    assert wa.shards == wb.shards
+    assert wa.rows.checksum == wb.rows.checksum and wa.rows.fields == wb.rows.fields
+    assert dict(members(b, wb.shards[0].path))["x.npy"] == big
+
+
+@pytest.mark.parametrize("actual", [999, 1001])
+def test_streamed_field_with_wrong_length_names_the_member(tmp_path: Path, actual: int) -> None:
+    store = Store(str(tmp_path / "ds"))
+    bad = StreamedField(1000, lambda: iter([b"a" * (actual // 2), b"b" * (actual - actual // 2)]))
+    with pytest.raises(SourceError) as err:
+        with ShardWriter(store, shard_bytes=10**6) as w:
+            w.write(sample(0))
+            w.write(PackSample("broken", {"npy": bad}))
+    msg = str(err.value)
+    assert "broken.npy" in msg and str(actual if actual < 1000 else "") in msg and "\n" not in msg
+    # The aborted shard leaves nothing behind: no shard, no temp file.
+    assert [p for p in (tmp_path / "ds").rglob("*") if p.is_file()] == []
+
+
+def test_abort_on_s3_leaves_no_object(s3_bucket: str, s3_server: object) -> None:
+    store = Store(f"{s3_bucket}/abort", s3_server.storage_options())  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardWriter(store, shard_bytes=10**6) as w:
+            w.write(sample(0))
+            raise RuntimeError("boom")
+    assert store.glob("shards/*") == []
+
+
+def test_safe_key_is_deterministic_and_tar_safe() -> None:
+    originals = ["cat/img.1.jpg", "cat/img_1_jpg", "cat_img_1_jpg", "a b", "a_b", "a/b", "a.b", "ümlaut",
+                 "..", "-", "x" * 300, "x" * 301, b"caf\xe9", "caf\udce9", "plain_key-01"]
+    keys = [safe_key(o) for o in originals]
+    assert keys == [safe_key(o) for o in originals]  # deterministic
+    for k in keys:
+        assert k and "." not in k and "/" not in k and "\\" not in k
+        assert k.isascii()
+    assert safe_key("plain_key-01") == "plain_key-01"  # safe keys are kept as they are
+    # Distinct originals never share a key, even when they sanitise alike...
+    distinct = [o for o in originals if o != "caf\udce9"]
+    assert len({safe_key(o) for o in distinct}) == len(distinct)
+    # ...but the same file name given as bytes or as a surrogate-escaped str is one key.
+    assert safe_key(b"caf\xe9") == safe_key("caf\udce9")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs a filesystem that allows non-UTF-8 names")
+def test_non_utf8_file_names_pack_and_read_back(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    raw = os.fsencode(str(src)) + b"/caf\xe9.txt"
+    with open(raw, "wb") as f:
+        f.write(b"latin-1 name")
+    (src / "ok.txt").write_bytes(b"plain")
+    (src / "sp ace.txt").write_bytes(b"space")
+    info = shardkit.pack(str(src), str(tmp_path / "ds"), progress=False)
+    assert info["num_samples"] == 3
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    got = {s["__key__"]: bytes(s["txt"]) for s in ds.iter_samples()}
+    assert sorted(got.values()) == [b"latin-1 name", b"plain", b"space"]
+    assert got["ok"] == b"plain"
+    assert safe_key(b"caf\xe9") in got
+    sources = dict(zip(ds.samples.column("key").to_pylist(), ds.samples.column("source").to_pylist()))
+    assert sources[safe_key(b"caf\xe9")].startswith("caf")  # readable original, undecodable byte replaced
+    assert ds.verify(deep=True)["ok"]
+
+
+def test_iterable_with_undecodable_keys(tmp_path: Path) -> None:
+    items = [{"__key__": b"caf\xe9", "txt": "bytes key"}, {"__key__": "na\udcefve", "txt": "escaped key"},
+             {"__key__": "a.b/c", "txt": "dotted"}]
+    shardkit.pack(iter(items), str(tmp_path / "ds"), progress=False)
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    got = {s["__key__"]: bytes(s["txt"]) for s in ds.iter_samples()}
+    assert got == {safe_key(b"caf\xe9"): b"bytes key", safe_key("na\udcefve"): b"escaped key",
+                   safe_key("a.b/c"): b"dotted"}
+    assert ds.samples.column("source").to_pylist() == ["caf\ufffd", "na\ufffdve", "a.b/c"]
