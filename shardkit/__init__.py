@@ -14,7 +14,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "pack", "open_dataset", "Dataset", "StreamingDataset", "ShardWriter", "CenterCrop",
+    "pack", "open_dataset", "Dataset", "StreamingDataset", "ShardDataset", "StreamingDataLoader", "wds_shards", "ShardWriter", "CenterCrop",
     "errors", "__version__",
 ]
 
@@ -30,6 +30,15 @@ def __getattr__(name: str) -> Any:
     if name == "StreamingDataset":
         from .dataset import StreamingDataset
         return StreamingDataset
+    if name == "StreamingDataLoader":
+        from .loader import StreamingDataLoader
+        return StreamingDataLoader
+    if name == "wds_shards":
+        from .wds_stage import wds_shards
+        return wds_shards
+    if name == "ShardDataset":
+        from .random_access import ShardDataset
+        return ShardDataset
     if name == "ShardWriter":
         from .writer import ShardWriter
         return ShardWriter

@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 import xxhash
 
-from .errors import CacheFullError, ConfigError, IntegrityError, ShardkitError
+from .errors import CacheFullError, ConfigError, IntegrityError
 
 __all__ = ["ShardRef", "Fetch", "ShardCache", "CachedShard", "CacheFullError"]
 

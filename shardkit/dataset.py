@@ -15,19 +15,23 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
+from .batching import OFFSETS, collate
 from .cache import ShardCache
 from .codecs import make_decoder
 from .config import parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
-from .reader import Dataset, sample_dict
-from .shardio import ShardSource, cache_namespace
-from .topology import current
+from .reader import Dataset, sample_dict, verify_sample
+from .shardio import Run, ShardSource, cache_namespace
+from .topology import Topology, current
 
 try:  # torch is optional: without it the dataset is a plain iterable
     from torch.utils.data import IterableDataset as _IterableBase
@@ -35,7 +39,8 @@ except ImportError:  # pragma: no cover - exercised only without torch
     _IterableBase = object  # type: ignore[misc,assignment]
 
 STATE_VERSION = 1
-_LOOKAHEAD = 4
+_LOOKAHEAD = 256  # runs looked ahead: which shards to keep open, what to read ahead
+_STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
 
 
 def _remove_dir(path: str, owner: int) -> None:
@@ -88,7 +93,18 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.epoch = 0
         self._remaining: list[Range] | None = None  # None: the whole epoch
         self._yielded = 0
+        self._acc: dict[str, float] = {}
+        self._acc_pid = os.getpid()
+        self._ds_pid = os.getpid()
+        self._samples_done = 0
+        self._live: tuple[ShardSource, Topology] | None = None
+        self._next_stats = 0.0
         self._write_control()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_live"] = None
+        return state
 
     # ---- epoch and resume state -----------------------------------------------------------
 
@@ -155,6 +171,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     # ---- sizes ----------------------------------------------------------------------------
 
     def samples_per_rank(self) -> int:
+        """Samples this rank yields this epoch (ceil(R/W), or floor with ``drop_last``)."""
         topo = current(self.rank, self.world_size)
         return samples_per_rank(self._remaining_now(), topo.world_size, self.drop_last)
 
@@ -167,13 +184,30 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     # ---- iteration ------------------------------------------------------------------------
 
-    def _open_source(self) -> ShardSource:
-        cache = None
-        if self.cache_dir is not None:
-            cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
-        return ShardSource(self.ds, cache, self.prefetch)
+    def _open_source(self, topo: Topology) -> ShardSource:
+        infos = self.ds.shard_list
+        biggest = max((i.bytes for i in infos), default=1) or 1
+        window = self.shuffle_block + self.prefetch if self.shuffle else 2
+        if self.cache_dir is None:
+            return ShardSource(self.ds, None, self.prefetch, max_open=window)
+        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
+        # Every process on the node pins what it holds open; with a small cache_limit a
+        # process holds one shard at a time so that pins alone can never fill the cache.
+        procs = _local_world(topo) * topo.num_workers
+        fits = self.cache_limit // (biggest * procs) - 1
+        return ShardSource(self.ds, cache, self.prefetch, max_open=max(1, min(window, fits)))
+
+    def _dataset_here(self) -> Dataset:
+        # A forked DataLoader worker inherits the parent's open filesystem (s3fs is not
+        # fork-safe): rebuild the Dataset from its picklable state in each new process.
+        if self._ds_pid != os.getpid():
+            import pickle
+
+            self.ds, self._ds_pid = pickle.loads(pickle.dumps(self.ds)), os.getpid()
+        return self.ds
 
     def __iter__(self) -> Iterator[Any]:
+        self._dataset_here()
         topo = current(self.rank, self.world_size)
         epoch, remaining = self._read_control()
         order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -183,77 +217,178 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         in_main = topo.num_workers == 1 and _in_main_process()
         if in_main:
             self._yielded = 0
-        source = self._open_source()
+        if self._acc_pid != os.getpid():  # a fresh worker: counters start at zero
+            self._acc, self._acc_pid = {}, os.getpid()
+        source = self._open_source(topo)
+        self._live = (source, topo)
+        self._next_stats = time.monotonic() + _STATS_EVERY
         try:
-            source.plan(schedule_shards(order, ranges))
-            samples = self._samples(source, order, ranges)
+            sched = schedule_shards(order, ranges)
+            source.plan(sched)
+            runs = _Lookahead(worker_schedule(order, ranges), _LOOKAHEAD, source, sched)
             if self.batch_size is None:
-                for s in samples:
+                for s in self._samples(source, runs):
                     if in_main:
                         self._yielded += 1
                     yield s
             else:
-                yield from self._batches(samples, in_main)
+                batches = self._raw_batches(source, runs) if self.decode is None else self._decoded_batches(source, runs)
+                for b in batches:
+                    if in_main:
+                        self._yielded += len(b["__key__"])
+                    yield b
         finally:
-            self._save_stats(source, topo.worker)
+            self._live = None
+            self._save_stats(source, topo, final=True)
             source.close()
 
-    def _samples(self, source: ShardSource, order: EpochOrder, ranges: list[Range]) -> Iterator[dict[str, Any]]:
+    def _tick(self, source: ShardSource, samples: int) -> None:
+        self._samples_done += samples
+        if time.monotonic() >= self._next_stats:
+            self._next_stats = time.monotonic() + _STATS_EVERY
+            if self._live is not None:
+                self._save_stats(source, self._live[1], final=False)
+
+    def _samples(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
+        """Yield decoded sample dicts in this worker's order."""
         decoder = make_decoder(self.decode if self.batch_size is None else (self.decode or "raw"))
-        runs = worker_schedule(order, ranges)
-        window: deque[tuple[int, Any]] = deque()
         first_sample = self.ds.shards.column("first_sample").to_numpy()
         infos = self.ds.shard_list
-        done_shards = 0
-        while True:
-            while len(window) < _LOOKAHEAD:
-                nxt = next(runs, None)
-                if nxt is None:
-                    break
-                window.append(nxt)
-            if not window:
-                return
-            shard, positions = window.popleft()
+        while (run := runs.pop()) is not None:
+            shard, positions = run
             rows = source.rows(shard)
-            with source.open_run(shard, positions, list(window)) as (view, base, check):
-                for p in positions.tolist():
-                    sample = sample_dict(view, base, rows, p, int(first_sample[shard]) + p, infos[shard].path,
-                                         verify=check and self.verify)
-                    source.counters.samples += 1
-                    yield decoder(sample)
-            done_shards += 1
-            source.advance([s for s, _ in window])
+            held = source.get(shard, positions, runs.buf)
+            view, base, check = held.view, held.base, held.verify and self.verify
+            first, path = int(first_sample[shard]), infos[shard].path
+            for p in positions.tolist():
+                yield decoder(sample_dict(view, base, rows, p, first + p, path, verify=check))
+            del view
+            self._tick(source, len(positions))
 
-    def _batches(self, samples: Iterator[dict[str, Any]], in_main: bool) -> Iterator[dict[str, Any]]:
-        from .batching import collate
-
+    def _decoded_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
         size = self.batch_size or 1
         pending: list[dict[str, Any]] = []
-        for s in samples:
+        for s in self._samples(source, runs):
             pending.append(s)
             if len(pending) == size:
-                if in_main:
-                    self._yielded += size
                 yield _to_torch(collate(pending))
                 pending = []
         if pending and not self.drop_last:
-            if in_main:
-                self._yielded += len(pending)
             yield _to_torch(collate(pending))
+
+    def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
+        """Raw batches built with numpy from the manifest offsets: one copy of the bytes."""
+        size = self.batch_size or 1
+        carry: Run | None = None
+        while True:
+            pieces: list[Run] = []
+            n = 0
+            while n < size:
+                if carry is None:
+                    carry = runs.pop()
+                    if carry is None:
+                        break
+                shard, p = carry
+                take = size - n
+                if len(p) > take:
+                    pieces.append((shard, p[:take]))
+                    carry = (shard, p[take:])
+                    n += take
+                else:
+                    pieces.append(carry)
+                    carry = None
+                    n += len(p)
+            if n == 0 or (n < size and self.drop_last):
+                return
+            yield _to_torch(self._build(source, pieces, carry, runs))
+            self._tick(source, n)
+
+    def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
+        layouts = [source.layout(s) for s, _ in pieces]
+        names = layouts[0].names if layouts[0] is not None else None
+        if names is None or any(lay is None or lay.names != names for lay in layouts):
+            return self._build_slow(source, pieces, carry, runs)  # ragged fields: per-sample collate
+        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        n = sum(len(p) for _, p in pieces)
+        index = np.concatenate([p + first_sample[s] for s, p in pieces]) if len(pieces) > 1 else \
+            pieces[0][1] + first_sample[pieces[0][0]]
+        nf = len(names)
+        sizes = np.empty((n, nf), np.int64)
+        at = 0
+        for (_, p), lay in zip(pieces, layouts):
+            sizes[at:at + len(p)] = lay.sizes[p]
+            at += len(p)
+        offsets = np.zeros((nf, n + 1), np.int64)
+        np.cumsum(sizes.T, axis=1, out=offsets[:, 1:])
+        outs = [np.empty(int(offsets[j, -1]), np.uint8) for j in range(nf)]
+        keys: list[str] = []
+        infos = self.ds.shard_list
+        at = 0
+        for i, ((shard, p), lay) in enumerate(zip(pieces, layouts)):
+            held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
+            plist = p.tolist()
+            if held.verify and self.verify:
+                rows = source.rows(shard)
+                for k in plist:
+                    verify_sample(held.view, held.base, rows, k, f"shard {shard} ({infos[shard].path})")
+            arr, base = held.array, held.base
+            for j in range(nf):
+                offs, lens = lay.offs[p, j].tolist(), lay.sizes[p, j].tolist()
+                a, b = int(offsets[j, at]), int(offsets[j, at + len(p)])
+                if len(plist) == 1:
+                    outs[j][a:b] = arr[offs[0] - base:offs[0] - base + lens[0]]
+                else:
+                    np.concatenate([arr[o - base:o - base + ln] for o, ln in zip(offs, lens)], out=outs[j][a:b])
+            del arr
+            keys.extend([lay.keys[k] for k in plist])
+            at += len(p)
+        batch: dict[str, Any] = {"__key__": keys, "__index__": index}
+        for j, name in enumerate(names):
+            batch[name] = outs[j]
+            batch[name + OFFSETS] = offsets[j]
+        return batch
+
+    def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
+        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        infos = self.ds.shard_list
+        decoder = make_decoder("raw")
+        samples = []
+        for i, (shard, p) in enumerate(pieces):
+            rows = source.rows(shard)
+            held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
+            for k in p.tolist():
+                samples.append(decoder(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
+                                                   infos[shard].path, verify=held.verify and self.verify)))
+        return collate(samples)
 
     # ---- statistics -----------------------------------------------------------------------
 
-    def _save_stats(self, source: ShardSource, worker: int) -> None:
-        path = os.path.join(self._control, f"stats-{os.getpid()}-{worker}.json")
+    def _save_stats(self, source: ShardSource, topo: Topology, final: bool) -> None:
+        now = source.stats()
+        now["samples"] = float(self._samples_done)
+        total = {k: self._acc.get(k, 0.0) + v for k, v in now.items()}
+        for k, v in self._acc.items():
+            total.setdefault(k, v)
+        if final:
+            self._acc, self._samples_done = total, 0
+        name = f"stats-r{topo.rank}w{topo.worker}p{os.getpid()}.json"
+        path = os.path.join(self._control, name)
         try:
-            with open(path, "w") as f:
-                json.dump(source.stats(), f)
+            with open(path + ".tmp", "w") as f:
+                json.dump(total, f)
+            os.replace(path + ".tmp", path)
         except OSError:
             pass  # statistics are best effort; never fail a training step over them
 
     def stats(self) -> dict[str, Any]:
-        """Counters summed over this rank's processes: bytes fetched, cache hits/misses,
-        evictions, samples, and seconds spent waiting for data (also per worker)."""
+        """Counters of this rank since the dataset was made, summed over its processes.
+
+        Keys: ``bytes_fetched`` (from storage), ``hits``/``misses`` (foreground cache opens
+        that found / downloaded the shard), ``prefetched`` (background downloads),
+        ``evictions``, ``corrupt_refetches``, ``direct_reads`` (ranged reads without cache),
+        ``samples``, ``wait_seconds`` (time blocked on data) and ``wait_seconds_per_worker``.
+        Workers write snapshots about once a second and at the end of each epoch.
+        """
         total: dict[str, Any] = {}
         per_worker: dict[str, float] = {}
         for path in sorted(glob.glob(os.path.join(self._control, "stats-*.json"))):
@@ -265,8 +400,67 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             for k, v in data.items():
                 total[k] = total.get(k, 0) + v
             per_worker[os.path.basename(path)[6:-5]] = data.get("wait_seconds", 0.0)
+        for k in ("bytes_fetched", "hits", "misses", "prefetched", "evictions", "corrupt_refetches",
+                  "direct_reads", "samples"):
+            total[k] = int(total.get(k, 0))
+        total.setdefault("wait_seconds", 0.0)
         total["wait_seconds_per_worker"] = per_worker
         return total
+
+
+class _Lookahead:
+    """The run stream with a window of upcoming runs (``buf``), telling the source which
+    shards come next in need order so it keeps prefetching."""
+
+    def __init__(self, runs: Iterator[Run], size: int, source: ShardSource, sched: Sequence[int]) -> None:
+        self.runs, self.size, self.source = runs, size, source
+        self.buf: deque[Run] = deque()
+        self.sched, self.cursor, self.seen = sched, 0, set[int]()
+
+    def pop(self) -> Run | None:
+        buf = self.buf
+        while len(buf) < self.size:
+            nxt = next(self.runs, None)
+            if nxt is None:
+                break
+            buf.append(nxt)
+        if not buf:
+            return None
+        run = buf.popleft()
+        if run[0] not in self.seen:  # first need of a shard: move the prefetch plan on
+            self.seen.add(run[0])
+            while self.cursor < len(self.sched) and self.sched[self.cursor] in self.seen:
+                self.cursor += 1
+            self.source.advance(self.sched[self.cursor:self.cursor + self.source.prefetch + self.source.max_open])
+        return run
+
+
+class _Later(Sequence[Run]):
+    """The runs after piece ``i`` of a batch, built only if the source asks."""
+
+    def __init__(self, pieces: list[Run], i: int, carry: Run | None, runs: _Lookahead) -> None:
+        self.args = (pieces, i, carry, runs)
+        self._list: list[Run] | None = None
+
+    def _get(self) -> list[Run]:
+        if self._list is None:
+            pieces, i, carry, runs = self.args
+            self._list = pieces[i:] + ([carry] if carry is not None else []) + list(runs.buf)
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._get()[i]
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(self._get())
+
+
+def _local_world(topo: Topology) -> int:
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else topo.world_size
 
 
 def _in_main_process() -> bool:
@@ -279,7 +473,6 @@ def _in_main_process() -> bool:
 
 def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     try:
-        import numpy as np
         import torch
     except ImportError:
         return batch

@@ -3,22 +3,30 @@
 Either way a reader gets a memoryview over the bytes of the samples it needs plus the
 shard offset that view starts at, so samples are sliced with the manifest's offsets and
 never parsed from tar headers. Bytes are verified before any sample is yielded: the cache
-checks the whole shard's xxh3-128; a direct ranged read checks each sample's xxh3-64.
+checks the whole shard's xxh3-128; a direct read of a whole shard checks the same hash once
+(and on a mismatch finds and names the bad sample); a direct read of a byte span checks each
+sample's xxh3-64 when the sample is used.
+
+A :class:`ShardSource` keeps the shards (or spans) of the reader's look-ahead window open,
+so a shuffled run of one sample costs a dict lookup, not an open/flock/mmap.
 """
 
 from __future__ import annotations
 
-import xxhash
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO, Sequence
 
 import numpy as np
+import xxhash
 
-from .cache import ShardCache, ShardRef
-from .reader import Dataset, ShardInfo, ShardRows, check_shard_bytes
+from .cache import CachedShard, ShardCache, ShardRef
+from .errors import IntegrityError
+from .reader import Dataset, ShardInfo, ShardRows, check_shard_bytes, verify_sample
 from .storage import Store
+
+Run = tuple[int, np.ndarray]
 
 
 def cache_namespace(ds: Dataset) -> str:
@@ -31,37 +39,74 @@ def shard_ref(info: ShardInfo) -> ShardRef:
     return ShardRef(info.path, info.bytes, info.checksum)
 
 
-class Counters:
-    """Reader statistics of one process."""
+@dataclass(frozen=True)
+class FieldLayout:
+    """Member offsets of one shard as (samples x fields) arrays, when every sample of the
+    shard has the same fields (the common case); lets a batch be sliced with numpy."""
 
-    def __init__(self) -> None:
-        self.bytes_fetched = 0
-        self.direct_reads = 0
-        self.wait_seconds = 0.0
-        self.samples = 0
+    names: tuple[str, ...]
+    offs: np.ndarray
+    sizes: np.ndarray
+    keys: list[str]
 
-    def as_dict(self) -> dict[str, float]:
-        return {"bytes_fetched": self.bytes_fetched, "direct_reads": self.direct_reads,
-                "wait_seconds": self.wait_seconds, "samples": self.samples}
+
+def field_layout(rows: ShardRows) -> FieldLayout | None:
+    n = len(rows)
+    if n == 0:
+        return None
+    names = tuple(rows.field_names[0])
+    nf = len(names)
+    fields = rows.table.column("fields").combine_chunks()
+    bounds = fields.offsets.to_numpy()
+    if nf == 0 or not bool(np.all(np.diff(bounds) == nf)):
+        return None
+    flat = fields.flatten()
+    all_names = np.asarray(flat.field("name").to_numpy(zero_copy_only=False), dtype=object).reshape(n, nf)
+    if not bool(np.all(all_names == np.asarray(names, dtype=object)[None, :])):
+        return None
+    offs = flat.field("offset").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
+    sizes = flat.field("size").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
+    return FieldLayout(names, np.ascontiguousarray(offs), np.ascontiguousarray(sizes), rows.keys)
+
+
+@dataclass
+class Held:
+    """Bytes of one shard held open for the reader: ``view`` starts at shard byte ``base``."""
+
+    view: memoryview
+    array: np.ndarray  # uint8 over the same bytes (for vectorised slicing)
+    base: int
+    end: int
+    verify: bool  # per-sample checks still needed (a span read, not a verified whole shard)
+    handle: CachedShard | None = None
 
 
 class ShardSource:
-    """Opens shards (or the byte span of a run of samples) for one reader process."""
+    """Opens shards (or the byte span of the samples needed) for one reader process.
 
-    def __init__(self, ds: Dataset, cache: ShardCache | None, prefetch: int = 2) -> None:
+    Args:
+        ds: the dataset.
+        cache: the node cache, or None to read from storage directly.
+        prefetch: shards fetched ahead of need (cache downloads or read-ahead spans).
+        max_open: shards held open at once (pins count against the cache limit).
+    """
+
+    def __init__(self, ds: Dataset, cache: ShardCache | None, prefetch: int = 2, max_open: int = 8) -> None:
         self.ds = ds
         self.store: Store = ds.store
         self.cache = cache
         self.prefetch = prefetch
-        self.counters = Counters()
+        self.max_open = max(1, max_open)
+        self.bytes_fetched = 0
+        self.direct_reads = 0
+        self.wait_seconds = 0.0
         self._rows: dict[int, ShardRows] = {}
+        self._layouts: dict[int, FieldLayout | None] = {}
+        self._held: dict[int, Held] = {}
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: dict[tuple[int, int, int], Future[bytes]] = {}
+        self._ahead: dict[int, tuple[int, int, Future[bytes]]] = {}
 
-    def fetch(self, ref: ShardRef, out: BinaryIO, start: int) -> None:
-        def count(n: int) -> None:
-            self.counters.bytes_fetched += n
-        self.store.fetch_into(ref.name, out, start, ref.size, progress=count)
+    # ---- manifest rows --------------------------------------------------------------------
 
     def rows(self, shard: int) -> ShardRows:
         rows = self._rows.get(shard)
@@ -72,79 +117,149 @@ class ShardSource:
             self._rows[shard] = rows
         return rows
 
+    def layout(self, shard: int) -> FieldLayout | None:
+        if shard not in self._layouts:
+            if len(self._layouts) > 64:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[shard] = field_layout(self.rows(shard))
+        return self._layouts[shard]
+
+    # ---- cache download hooks -------------------------------------------------------------
+
+    def fetch(self, ref: ShardRef, out: BinaryIO, start: int) -> None:
+        self.store.fetch_into(ref.name, out, start, ref.size)
+
     def plan(self, shards: Sequence[int]) -> None:
         """Tell the cache the future order, and start fetching the first shards."""
         if self.cache is None:
             return
         infos = self.ds.shard_list
         self.cache.set_schedule([infos[s].path for s in shards])
-        if self.prefetch:
-            self.cache.prefetch([shard_ref(infos[s]) for s in shards], self.fetch, max_ahead=self.prefetch)
+        self.advance(shards)
 
     def advance(self, upcoming: Sequence[int]) -> None:
-        """Keep prefetching the next shards as the reader moves on."""
-        if self.cache is not None and self.prefetch and upcoming:
+        """Keep prefetching the next shards (in need order) as the reader moves on."""
+        if not self.prefetch or not upcoming:
+            return
+        if self.cache is not None:
             infos = self.ds.shard_list
-            self.cache.prefetch([shard_ref(infos[s]) for s in upcoming], self.fetch, max_ahead=self.prefetch)
+            todo = [shard_ref(infos[s]) for s in upcoming if s not in self._held][: self.prefetch]
+            if todo:
+                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch)
 
-    @contextmanager
-    def open_run(self, shard: int, positions: np.ndarray, upcoming: Sequence[tuple[int, np.ndarray]] = ()
-                 ) -> Iterator[tuple[memoryview, int, bool]]:
-        """Bytes covering samples ``positions`` of ``shard``: (view, base offset, needs per-sample verify)."""
-        info = self.ds.shard_list[shard]
+    # ---- holding bytes --------------------------------------------------------------------
+
+    def get(self, shard: int, positions: np.ndarray, window: Sequence[Run]) -> Held:
+        """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it."""
+        held = self._held.get(shard)
+        rows = self.rows(shard)
+        if held is not None and self.cache is None:
+            lo, hi = self._span(rows, positions)
+            if lo < held.base or hi > held.end:
+                self._drop(shard)
+                held = None
+        if held is not None:
+            return held
+        self.release(window)
         t0 = time.perf_counter()
         if self.cache is not None:
-            with self.cache.open(shard_ref(info), self.fetch) as cached:
-                self.counters.wait_seconds += time.perf_counter() - t0
-                yield cached.buffer(), 0, False
-            return
-        rows = self.rows(shard)
-        start, end = self._span(rows, positions)
-        data = self._read_span(info, start, end)
-        self._read_ahead(upcoming)
-        self.counters.wait_seconds += time.perf_counter() - t0
-        if start == 0 and end == info.bytes:
-            check_shard_bytes(data, info)  # one hash for the whole shard instead of per sample
-            yield memoryview(data), 0, False
+            handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch)
+            view = handle.buffer()
+            held = Held(view, np.frombuffer(view, np.uint8) if len(view) else np.zeros(0, np.uint8),
+                        0, len(view), False, handle)
         else:
-            yield memoryview(data), start, True
+            held = self._direct(shard, rows, positions, window)
+        self.wait_seconds += time.perf_counter() - t0
+        self._held[shard] = held
+        if self.cache is None:
+            self._read_ahead(window)
+        return held
+
+    def release(self, window: Sequence[Run]) -> None:
+        """Close held shards the window no longer needs (and the oldest beyond ``max_open``)."""
+        if not self._held:
+            return
+        needed = {s for s, _ in window}
+        for s in [s for s in self._held if s not in needed]:
+            self._drop(s)
+        while len(self._held) >= self.max_open:
+            self._drop(next(iter(self._held)))
+
+    def _drop(self, shard: int) -> None:
+        held = self._held.pop(shard)
+        if held.handle is not None:
+            held.array = np.zeros(0, np.uint8)
+            held.handle.close()
+
+    # ---- direct (no cache) reads ----------------------------------------------------------
 
     @staticmethod
     def _span(rows: ShardRows, positions: np.ndarray) -> tuple[int, int]:
-        lo = int(rows.offset[positions].min())
-        hi = int((rows.offset[positions] + rows.size[positions]).max())
-        return lo, hi
+        return int(rows.offset[positions].min()), int((rows.offset[positions] + rows.size[positions]).max())
 
-    def _whole_or_span(self, info: ShardInfo, start: int, end: int) -> tuple[int, int]:
-        # A run covering most of a shard reads the whole file: one request, one checksum.
-        return (0, info.bytes) if end - start > 0.75 * info.bytes else (start, end)
+    def _window_span(self, shard: int, rows: ShardRows, positions: np.ndarray,
+                     window: Sequence[Run]) -> tuple[int, int]:
+        # One read covers every sample of this shard the look-ahead window needs; a span
+        # covering most of the shard reads the whole file (one request, one checksum).
+        parts = [positions] + [p for s, p in window if s == shard]
+        lo, hi = self._span(rows, np.concatenate(parts) if len(parts) > 1 else positions)
+        info = self.ds.shard_list[shard]
+        return (0, info.bytes) if hi - lo > 0.75 * info.bytes else (lo, hi)
 
-    def _read_span(self, info: ShardInfo, start: int, end: int) -> bytes:
-        start, end = self._whole_or_span(info, start, end)
-        fut = self._ahead.pop((info.shard, start, end), None)
-        data = fut.result() if fut is not None else self._get(info.path, start, end)
-        return data
+    def _direct(self, shard: int, rows: ShardRows, positions: np.ndarray, window: Sequence[Run]) -> Held:
+        info = self.ds.shard_list[shard]
+        ahead = self._ahead.pop(shard, None)
+        lo, hi = self._span(rows, positions)
+        if ahead is not None and ahead[0] <= lo and hi <= ahead[1]:
+            start, end = ahead[0], ahead[1]
+            data = ahead[2].result()
+        else:
+            if ahead is not None:
+                ahead[2].cancel()
+            start, end = self._window_span(shard, rows, positions, window)
+            data = self._get(info.path, start, end)
+        whole = start == 0 and end == info.bytes
+        if whole:
+            try:
+                check_shard_bytes(data, info)
+            except IntegrityError:
+                view = memoryview(data)
+                for i in range(len(rows)):  # name the bad sample, not only the shard
+                    verify_sample(view, 0, rows, i, f"shard {shard} ({info.path})")
+                raise
+        view = memoryview(data)
+        return Held(view, np.frombuffer(data, np.uint8), start, end, not whole)
 
     def _get(self, path: str, start: int, end: int) -> bytes:
         data = self.store.read_range(path, start, end)
-        self.counters.bytes_fetched += len(data)
-        self.counters.direct_reads += 1
+        self.bytes_fetched += len(data)
+        self.direct_reads += 1
         return data
 
-    def _read_ahead(self, upcoming: Sequence[tuple[int, np.ndarray]]) -> None:
-        if not self.prefetch or not upcoming:
+    def _read_ahead(self, window: Sequence[Run]) -> None:
+        if not self.prefetch or not window:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="shardkit-readahead")
-        for shard, positions in list(upcoming)[: self.prefetch]:
+        seen: list[int] = []
+        for shard, positions in window:
+            if shard in self._held or shard in seen:
+                continue
+            seen.append(shard)
+            if len(seen) > self.prefetch:
+                break
+            if shard in self._ahead:
+                continue
             info = self.ds.shard_list[shard]
-            start, end = self._whole_or_span(info, *self._span(self.rows(shard), positions))
-            key = (shard, start, end)
-            if key not in self._ahead:
-                self._ahead[key] = self._pool.submit(self._get, info.path, start, end)
+            start, end = self._window_span(shard, self.rows(shard), positions, [r for r in window if r[0] == shard])
+            self._ahead[shard] = (start, end, self._pool.submit(self._get, info.path, start, end))
+
+    # ---- end ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for fut in self._ahead.values():
+        for shard in list(self._held):
+            self._drop(shard)
+        for _, _, fut in self._ahead.values():
             fut.cancel()
         self._ahead.clear()
         if self._pool is not None:
@@ -153,10 +268,14 @@ class ShardSource:
         if self.cache is not None:
             self.cache.close()
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = self.counters.as_dict()
+    def stats(self) -> dict[str, float]:
+        """Counters of this source: bytes fetched from storage, cache counters, waits."""
+        out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched), "direct_reads": float(self.direct_reads),
+                                 "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
+                                 "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0}
         if self.cache is not None:
             cs = self.cache.stats()
-            out.update({k: v for k, v in cs.items() if k != "bytes_fetched"})
-            out["wait_seconds"] = self.counters.wait_seconds
+            for k, v in cs.items():
+                out["cache_wait_seconds" if k == "wait_seconds" else k] = float(v)
+        out["wait_seconds"] = self.wait_seconds
         return out

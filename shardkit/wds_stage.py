@@ -1,0 +1,97 @@
+"""``wds_shards``: shardkit's node cache and epoch order as the first stage of a WebDataset pipeline.
+
+::
+
+    pipeline = wds.DataPipeline(
+        shardkit.wds_shards("s3://bucket/ds", cache_dir="/nvme/shardkit", shuffle=True, seed=0),
+        wds.tarfile_to_samples(), wds.shuffle(1000), wds.decode("pil"), wds.batched(64))
+
+The stage yields ``{"url": <local path of the cached, verified shard>}`` for the shards of
+this rank / DataLoader worker / epoch, in :class:`~shardkit.partition.EpochOrder` shard order,
+prefetching the next ones into the cache. Each shard stays pinned (never evicted) until the
+pipeline asks for the next one, i.e. while downstream stages read it.
+
+The split is by whole shards: the epoch's shard order is dealt round-robin over
+``world_size x num_workers`` readers, so ranks get equal numbers of *shards*, not of
+samples, and a rank may see a few more samples than another. DDP training that needs
+exactly equal per-rank sample (or batch) counts and exact resume should use
+:class:`shardkit.StreamingDataset` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+from .cache import ShardCache
+from .config import parse_size
+from .errors import ConfigError
+from .partition import DEFAULT_BLOCK_SHARDS, EpochOrder
+from .reader import Dataset
+from .shardio import ShardSource, cache_namespace, shard_ref
+from .topology import current
+
+try:
+    from torch.utils.data import IterableDataset as _IterableBase
+except ImportError:  # pragma: no cover - exercised only without torch
+    _IterableBase = object  # type: ignore[misc,assignment]
+
+
+class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 - a wds-style stage name
+    """A WebDataset source stage yielding cached local shard paths for this reader.
+
+    Args:
+        url: shardkit dataset root.
+        cache_dir: node-local cache directory (required: WebDataset reads local files).
+        cache_limit: bound on the cache size.
+        shuffle: shuffle the shard order each epoch (reproducibly from ``seed``).
+        seed: shuffle seed.
+        epoch: epoch number; or call :meth:`set_epoch` (read when iteration starts).
+        storage_options: fsspec options for the dataset URL.
+        prefetch: shards downloaded ahead of the one being read.
+        rank, world_size: override the topology (default: torch.distributed or env).
+    """
+
+    def __init__(self, url: str, cache_dir: str | os.PathLike[str], cache_limit: int | str = "200GB", *,
+                 shuffle: bool = False, seed: int = 0, epoch: int = 0, storage_options: dict[str, Any] | None = None,
+                 prefetch: int = 2, rank: int | None = None, world_size: int | None = None) -> None:
+        if cache_dir is None:
+            raise ConfigError("wds_shards: cache_dir is required (WebDataset opens local files)")
+        self.ds = Dataset(url, storage_options)
+        self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
+        self.shuffle, self.seed, self.epoch = bool(shuffle), int(seed), int(epoch)
+        self.prefetch, self.rank, self.world_size = prefetch, rank, world_size
+        self._pid = os.getpid()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def shards(self) -> list[int]:
+        """Shard ids this rank/worker reads this epoch, in order."""
+        topo = current(self.rank, self.world_size)
+        order = EpochOrder(self.ds.shard_sizes(), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
+                           block_shards=DEFAULT_BLOCK_SHARDS)
+        readers = topo.world_size * topo.num_workers
+        me = topo.rank * topo.num_workers + topo.worker
+        return [int(s) for s in order.shard_order[me::readers] if self.ds.shard_list[int(s)].num_samples]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._pid != os.getpid():  # forked worker: never reuse the parent's filesystem
+            import pickle
+
+            self.ds, self._pid = pickle.loads(pickle.dumps(self.ds)), os.getpid()
+        mine = self.shards()
+        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds))
+        source = ShardSource(self.ds, cache, self.prefetch)
+        infos = self.ds.shard_list
+        try:
+            source.plan(mine)
+            for i, shard in enumerate(mine):
+                source.advance(mine[i + 1:i + 1 + self.prefetch])
+                with cache.open(shard_ref(infos[shard]), source.fetch) as cached:
+                    yield {"url": cached.path, "__shard__": infos[shard].path}
+        finally:
+            source.close()
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        return iter(self)

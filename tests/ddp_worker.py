@@ -1,0 +1,44 @@
+"""One DDP rank for tests/test_ddp.py: gloo process group, StreamingDataLoader with workers.
+
+argv[1] is a JSON config: url, cache_dir, out (result JSON path), epochs, batch_size,
+num_workers, cache_limit, shuffle, stop_after (steps, optional), state_in (optional path).
+"""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from shardkit import StreamingDataLoader, StreamingDataset
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    dist.init_process_group("gloo")
+    ds = StreamingDataset(cfg["url"], cache_dir=cfg["cache_dir"], cache_limit=cfg.get("cache_limit", "10GB"),
+                          shuffle=cfg.get("shuffle", True), seed=11, batch_size=cfg["batch_size"],
+                          shuffle_block=cfg.get("shuffle_block", 4))
+    loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"], persistent_workers=True)
+    out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "epochs": [], "len": len(loader)}
+    if cfg.get("state_in"):
+        with open(cfg["state_in"]) as f:
+            loader.load_state_dict(json.load(f))
+    for epoch in range(cfg.get("first_epoch", 0), cfg.get("first_epoch", 0) + cfg["epochs"]):
+        ds.set_epoch(epoch)
+        keys, steps = [], 0
+        for batch in loader:
+            keys += batch["__key__"]
+            steps += 1
+            if cfg.get("stop_after") and steps == cfg["stop_after"]:
+                out["state"] = loader.state_dict()
+                break
+        out["epochs"].append({"keys": keys, "steps": steps})
+        dist.barrier()
+    out["stats"] = ds.stats()
+    with open(cfg["out"], "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

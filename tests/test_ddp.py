@@ -1,0 +1,150 @@
+"""Real multi-process DDP (gloo) reading from SeaweedFS through node caches."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shardkit
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+REPO = Path(__file__).resolve().parent.parent
+N = 480
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def s3_dataset(s3_env: Any, s3_bucket: str) -> tuple[str, set[str], Any]:
+    rng = np.random.default_rng(1)
+    data = [{"__key__": f"d{i:05d}", "bin": rng.bytes(int(rng.integers(200, 3000)))} for i in range(N)]
+    url = f"{s3_bucket}/ds"
+    shardkit.pack(iter(data), url, shard_bytes="50KB", progress=False)
+    return url, {d["__key__"] for d in data}, shardkit.open_dataset(url)
+
+
+def run_ranks(tmp: Path, world: int, caches: list[str], **cfg: Any) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp / f"out-{world}-{rank}-{port}.json"
+        conf = {"cache_dir": caches[rank], "out": str(out), "batch_size": 16, "num_workers": 2, "epochs": 1, **cfg}
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(caches.count(caches[rank])),
+               "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(conf)], env=env))
+        outs.append(out)
+    try:
+        for p in procs:
+            assert p.wait(timeout=180) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_two_ranks_one_cache_two_epochs(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
+    url, keys, ds = s3_dataset
+    cache = str(tmp_path / "cache")
+    res = run_ranks(tmp_path, 2, [cache, cache], url=url, epochs=2)
+    orders = []
+    for e in range(2):
+        seen = [k for r in res for k in r["epochs"][e]["keys"]]
+        assert Counter(seen) == Counter(keys)  # every key exactly once across ranks (480 % 32 == 0)
+        assert res[0]["epochs"][e]["steps"] == res[1]["epochs"][e]["steps"] == res[0]["len"]
+        orders.append([r["epochs"][e]["keys"] for r in res])
+    assert orders[0] != orders[1]
+    downloads = sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in res)
+    assert downloads == ds.num_shards  # one shared cache: each shard fetched once by the node
+    assert sum(r["stats"]["bytes_fetched"] for r in res) == sum(ds.shards.column("bytes").to_pylist())
+
+
+def test_two_nodes_each_cache_downloads_once(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
+    url, keys, ds = s3_dataset
+    a, b = str(tmp_path / "nodeA"), str(tmp_path / "nodeB")
+    res = run_ranks(tmp_path, 4, [a, a, b, b], url=url, shuffle=True)
+    seen = [k for r in res for k in r["epochs"][0]["keys"]]
+    assert Counter(seen) == Counter(keys)
+    for node, ranks in (("A", res[:2]), ("B", res[2:])):
+        # shards this node's ranks needed (from their keys) vs downloads into its cache
+        by_key = {}
+        for shard in range(ds.num_shards):
+            for k in ds.shard_samples(shard).column("key").to_pylist():
+                by_key[k] = shard
+        needed = {by_key[k] for r in ranks for k in r["epochs"][0]["keys"]}
+        downloads = sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in ranks)
+        assert downloads == len(needed), node
+
+
+@pytest.mark.parametrize("new_world", [3, 1])
+def test_resume_with_another_world_size(s3_dataset: tuple[str, set[str], Any], tmp_path: Path, new_world: int) -> None:
+    url, keys, _ = s3_dataset
+    cache = str(tmp_path / "c")
+    first = run_ranks(tmp_path, 2, [cache] * 2, url=url, stop_after=5, first_epoch=2)
+    state = first[0]["state"]
+    assert state["consumed_per_rank"] == 5 * 16 and first[1]["state"] == state
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    # 480 - 2*80 = 320 remain; world 3 pads by 1 (320 % 3 == 2), so count exact coverage.
+    rest = run_ranks(tmp_path, new_world, [cache] * new_world, url=url, state_in=str(tmp_path / "state.json"),
+                     first_epoch=2)
+    consumed = [k for r in first for k in r["epochs"][0]["keys"]]
+    tail = [k for r in rest for k in r["epochs"][0]["keys"]]
+    per_rank = -(-(N - 160) // new_world)
+    assert all(len(r["epochs"][0]["keys"]) == per_rank for r in rest)
+    assert set(consumed + tail) == keys and len(consumed) == 160
+    assert len(consumed + tail) - N == per_rank * new_world - (N - 160)  # only padding repeats
+    assert not set(consumed) & set(tail[: N - 160]) if new_world == 1 else True
+
+
+def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
+    url, keys, ds = s3_dataset
+    biggest = max(ds.shards.column("bytes").to_pylist())
+    limit = 2 * biggest + biggest // 2
+    cache = tmp_path / "small"
+    cache.mkdir()
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            total = 0
+            for root, _, files in os.walk(cache):
+                for f in files:
+                    try:
+                        total += os.stat(os.path.join(root, f)).st_size
+                    except FileNotFoundError:
+                        pass
+            peak[0] = max(peak[0], total)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        res = run_ranks(tmp_path, 2, [str(cache)] * 2, url=url, cache_limit=limit, shuffle=False)
+    finally:
+        stop.set()
+        t.join()
+    seen = [k for r in res for k in r["epochs"][0]["keys"]]
+    assert Counter(seen) == Counter(keys)
+    assert 0 < peak[0] <= limit
+    # A shard is downloaded once while it stays cached: every download beyond the first of
+    # each shard follows an eviction (the limit forces them with 4 readers sharing 2.5 shards).
+    downloads = sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in res)
+    evictions = sum(r["stats"]["evictions"] for r in res)
+    assert evictions > 0 and ds.num_shards <= downloads <= ds.num_shards + evictions

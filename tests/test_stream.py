@@ -1,0 +1,273 @@
+"""StreamingDataset / StreamingDataLoader semantics in one process (plus DataLoader workers),
+on local and SeaweedFS S3 datasets packed with shardkit.pack."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import StreamingDataLoader, StreamingDataset
+from shardkit.batching import unpack
+from shardkit.errors import IntegrityError
+
+N = 600  # divisible by 1, 2, 3, 4
+
+
+def samples(n: int = N, seed: int = 0) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        size = int(rng.integers(50, 4000)) if i % 97 else 40_000  # a few big ones: uneven shards
+        out.append({"__key__": f"s{i:05d}", "bin": rng.bytes(size), "cls": str(i % 10).encode()})
+    return out
+
+
+def make(dest: str, storage_options: dict[str, Any] | None = None, n: int = N) -> dict[str, bytes]:
+    data = samples(n)
+    shardkit.pack(iter(data), dest, shard_bytes="60KB", storage_options=storage_options, progress=False)
+    return {s["__key__"]: s["bin"] for s in data}
+
+
+@pytest.fixture(scope="module")
+def local_ds(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("stream")
+    content = make(str(root / "ds"))
+    return str(root / "ds"), content
+
+
+def keys_of(it: Any) -> list[str]:
+    out: list[str] = []
+    for x in it:
+        out.extend(x["__key__"] if isinstance(x["__key__"], list) else [x["__key__"]])
+    return out
+
+
+def test_dataset_has_many_uneven_shards(local_ds: tuple[str, dict[str, bytes]]) -> None:
+    ds = shardkit.open_dataset(local_ds[0])
+    sizes = ds.shards.column("num_samples").to_pylist()
+    assert ds.num_shards >= 20 and len(set(sizes)) > 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_key_once_per_epoch_local(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, world: int) -> None:
+    url, content = local_ds
+    seen: list[str] = []
+    for rank in range(world):
+        s = StreamingDataset(url, cache_dir=tmp_path / "c", shuffle=True, seed=1, rank=rank, world_size=world)
+        got = list(s)
+        assert len(got) == len(s) == N // world
+        for x in got:
+            assert bytes(x["bin"]) == content[x["__key__"]]
+        seen += [x["__key__"] for x in got]
+    assert Counter(seen) == Counter(content.keys())  # no padding: N % world == 0
+
+
+def test_every_key_once_s3_env_and_no_cache_equal(s3_env: Any, s3_bucket: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    content = make(f"{s3_bucket}/ds")
+    url = f"{s3_bucket}/ds"
+    seen = []
+    for rank in range(2):  # RANK/WORLD_SIZE from the environment
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        cached = StreamingDataset(url, cache_dir=tmp_path / "c", shuffle=True, seed=3)
+        direct = StreamingDataset(url, cache_dir=None, shuffle=True, seed=3)
+        a, b = list(cached), list(direct)
+        assert [x["__key__"] for x in a] == [x["__key__"] for x in b]
+        assert all(bytes(x["bin"]) == bytes(y["bin"]) == content[x["__key__"]] for x, y in zip(a, b))
+        assert len(a) == len(cached) == N // 2
+        seen += [x["__key__"] for x in a]
+        st = direct.stats()
+        assert st["direct_reads"] > 0 and st["hits"] == st["misses"] == 0
+    assert Counter(seen) == Counter(content.keys())
+
+
+def test_shuffle_epochs_differ_and_reproduce(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, _ = local_ds
+    a = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=7)
+    e0 = keys_of(a)
+    a.set_epoch(1)
+    e1 = keys_of(a)
+    b = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=7)
+    b.set_epoch(1)
+    assert e0 != e1 and sorted(e0) == sorted(e1)
+    assert keys_of(b) == e1
+    c = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=8)
+    assert keys_of(c) != e0
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_padding_drop_last(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, drop_last: bool) -> None:
+    url, content = local_ds
+    world = 7  # 600 % 7 == 5
+    seen: list[str] = []
+    for rank in range(world):
+        s = StreamingDataset(url, cache_dir=tmp_path, drop_last=drop_last, rank=rank, world_size=world)
+        got = keys_of(s)
+        assert len(got) == len(s) == (N // world if drop_last else -(-N // world))
+        sb = StreamingDataset(url, cache_dir=tmp_path, drop_last=drop_last, rank=rank, world_size=world, batch_size=16)
+        batches = list(sb)
+        assert len(batches) == len(sb)
+        assert keys_of(batches) == (got[:len(sb) * 16] if drop_last else got)  # drop_last: whole batches only
+        seen += got
+    counts = Counter(seen)
+    if drop_last:
+        assert len(seen) == N - N % world and max(counts.values()) == 1
+    else:
+        assert set(counts) == set(content) and sum(counts.values()) - N == world - N % world
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_resume_elastic_in_process(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, new_world: int) -> None:
+    url, content = local_ds
+    k = 36  # 600 - 2*36 = 528: divisible by 1 and 3, so no padding repeats
+    consumed: list[str] = []
+    state = None
+    for rank in range(2):
+        s = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=2, rank=rank, world_size=2)
+        s.set_epoch(4)
+        it = iter(s)
+        consumed += [next(it)["__key__"] for _ in range(k)]
+        it.close()
+        state = s.state_dict()  # in-process count: k
+        assert state["consumed_per_rank"] == k
+    rest: list[str] = []
+    for rank in range(new_world):
+        s = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=2, rank=rank, world_size=new_world)
+        s.load_state_dict(state)
+        s.set_epoch(4)  # same epoch: the resumed position is kept
+        got = keys_of(s)
+        assert len(got) == len(s)
+        rest += got
+    assert Counter(consumed + rest) == Counter(content.keys())
+
+
+def test_dataloader_workers_exact_order_and_resume(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, content = local_ds
+    ref = keys_of(StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16))
+    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16,
+                                 num_workers=2, pin_memory=True)
+    assert keys_of(loader) == ref  # workers take turns in whole batches: the same order
+    it = iter(loader)
+    first = keys_of(next(it) for _ in range(5))
+    state = loader.state_dict()
+    del it
+    assert state["consumed_per_rank"] == 80
+    resumed = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16, num_workers=1)
+    resumed.load_state_dict(state)
+    rest = keys_of(resumed)
+    assert first + rest == ref
+    assert Counter(first + rest) == Counter(content.keys())
+
+
+def test_batched_dataset_in_workers_resume_world_change(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, content = local_ds
+    consumed, state = [], None
+    for rank in range(2):
+        ds = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, batch_size=20, rank=rank, world_size=2)
+        loader = StreamingDataLoader(ds, num_workers=2, pin_memory=True)
+        assert len(loader) == len(ds) == 15
+        it = iter(loader)
+        for _ in range(3):  # 600 - 2*60 = 480 remain: divisible by 3, no padding
+            b = next(it)
+            assert isinstance(b["bin"], torch.Tensor)  # pin_memory=True: a no-op without an accelerator
+            for key, body in zip(b["__key__"], unpack(b, "bin")):
+                assert bytes(body) == content[key]
+            consumed += b["__key__"]
+        state = loader.state_dict()
+        del it
+    rest = []
+    for rank in range(3):
+        ds = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, batch_size=20, rank=rank, world_size=3)
+        loader = StreamingDataLoader(ds, num_workers=2)
+        loader.load_state_dict(state)
+        rest += keys_of(loader)
+    assert Counter(consumed + rest) == Counter(content.keys())
+
+
+def test_persistent_workers_see_set_epoch(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, _ = local_ds
+    ds = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=5, batch_size=32)
+    loader = StreamingDataLoader(ds, num_workers=2, persistent_workers=True)
+    epochs = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        epochs.append(keys_of(loader))
+    expect = []
+    for epoch in range(2):
+        solo = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=5, batch_size=32)
+        solo.set_epoch(epoch)
+        expect.append(keys_of(solo))
+    assert epochs == expect and epochs[0] != epochs[1]
+    st = ds.stats()  # both epochs of both persistent workers, accumulated
+    assert st["samples"] == 2 * N and len(st["wait_seconds_per_worker"]) == 2
+
+
+def test_stats_cold_then_warm_with_workers(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, _ = local_ds
+    info = shardkit.open_dataset(url)
+    total = int(sum(info.shards.column("bytes").to_pylist()))
+    ds = StreamingDataset(url, cache_dir=tmp_path, batch_size=25)
+    loader = StreamingDataLoader(ds, num_workers=2)
+    keys_of(loader)
+    cold = ds.stats()
+    assert cold["bytes_fetched"] == total  # every shard downloaded once into the shared cache
+    assert cold["misses"] + cold["prefetched"] == info.num_shards
+    assert cold["samples"] == N and cold["evictions"] == 0
+    keys_of(loader)
+    warm = ds.stats()
+    assert warm["bytes_fetched"] == total and warm["misses"] == cold["misses"]
+    assert warm["hits"] - cold["hits"] >= info.num_shards  # each worker opens its shards from the cache
+    assert warm["samples"] == 2 * N
+
+
+def test_corrupt_cached_shard_is_refetched(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, content = local_ds
+    ds = StreamingDataset(url, cache_dir=tmp_path)
+    list(ds)
+    cached = sorted(p for p in tmp_path.rglob("*.tar") if ".tmp" not in p.parts)
+    victim = cached[3]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    ds2 = StreamingDataset(url, cache_dir=tmp_path)
+    got = list(ds2)
+    assert all(bytes(x["bin"]) == content[x["__key__"]] for x in got) and len(got) == N
+    assert ds2.stats()["corrupt_refetches"] == 1
+
+
+@pytest.mark.parametrize("world", [1, 8])  # whole-shard read, and ranged span reads
+def test_corrupt_remote_object_no_cache_names_shard_and_sample(s3_env: Any, s3_bucket: str, world: int) -> None:
+    url = f"{s3_bucket}/ds"
+    make(url, n=200)
+    ds = shardkit.open_dataset(url)
+    info = ds.shard_list[0]
+    rows = ds.shard_samples(0).to_pydict()
+    fs = s3_env.filesystem()
+    path = f"{url[5:]}/{info.path}"
+    data = bytearray(fs.cat_file(path))
+    victim = 1
+    data[rows["fields"][victim][0]["offset"] + 5] ^= 0x01  # inside the body of sample 1
+    fs.pipe_file(path, bytes(data))
+    with pytest.raises(IntegrityError) as err:
+        for x in StreamingDataset(url, cache_dir=None, rank=0, world_size=world):
+            assert x["__key__"] != rows["key"][victim], "a corrupt sample was yielded"
+    assert info.path in str(err.value) and rows["key"][victim] in str(err.value)
+    with pytest.raises(IntegrityError):
+        list(StreamingDataset(url, cache_dir=None, rank=0, world_size=world, batch_size=8))
+
+
+def test_plain_dataloader_batching_and_decode(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, content = local_ds
+    ds = StreamingDataset(url, cache_dir=tmp_path, decode=lambda s: (s["__key__"], len(s["bin"])))
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert sorted(k for k, _ in got) == sorted(content)
+    assert all(n == len(content[k]) for k, n in got)

@@ -1,0 +1,61 @@
+"""wds_shards as the first stage of a webdataset pipeline."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import webdataset as wds
+from torch.utils.data import DataLoader
+
+import shardkit
+from shardkit import wds_shards
+
+
+@pytest.fixture(scope="module")
+def ds_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from PIL import Image
+    import io
+
+    rng = np.random.default_rng(0)
+    data = []
+    for i in range(120):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
+        data.append({"__key__": f"w{i:04d}", "png": buf.getvalue(), "cls": str(i % 3).encode()})
+    url = str(tmp_path_factory.mktemp("wds") / "ds")
+    shardkit.pack(iter(data), url, shard_bytes="8KB", progress=False)
+    return url
+
+
+def test_pipeline_matches_shardkit_iterator(ds_url: str, tmp_path: Path) -> None:
+    pipe = wds.DataPipeline(wds_shards(ds_url, cache_dir=tmp_path, shuffle=False),
+                            wds.tarfile_to_samples(), wds.decode("pil"), wds.batched(16))
+    got = [(k, np.asarray(img).tobytes(), c) for b in pipe for k, img, c in zip(b["__key__"], b["png"], b["cls"])]
+    ref = [(s["__key__"], np.asarray(s["png"]).tobytes(), s["cls"])
+           for s in shardkit.StreamingDataset(ds_url, cache_dir=tmp_path, decode="pil")]
+    assert got == ref
+
+
+def test_shuffled_pipeline_runs(ds_url: str, tmp_path: Path) -> None:
+    pipe = wds.DataPipeline(wds_shards(ds_url, cache_dir=tmp_path, shuffle=True, seed=1),
+                            wds.tarfile_to_samples(), wds.shuffle(100), wds.decode("pil"), wds.batched(16))
+    keys = [k for b in pipe for k in b["__key__"]]
+    assert Counter(keys) == Counter(f"w{i:04d}" for i in range(120))
+
+
+def test_two_ranks_two_workers_cover_shards_once(ds_url: str, tmp_path: Path) -> None:
+    n_shards = shardkit.open_dataset(ds_url).num_shards
+    urls: list[str] = []
+    keys: list[str] = []
+    for rank in range(2):
+        stage = wds_shards(ds_url, cache_dir=tmp_path, shuffle=True, seed=3, rank=rank, world_size=2)
+        pipe = wds.DataPipeline(stage, wds.tarfile_to_samples())
+        for s in DataLoader(pipe, batch_size=None, num_workers=2):
+            keys.append(s["__key__"])
+            urls.append(s["__url__"])
+    assert len(set(urls)) == n_shards
+    assert Counter(keys) == Counter(f"w{i:04d}" for i in range(120))
