@@ -9,8 +9,11 @@ translated into a :mod:`shardkit.errors` class whose message names the object, n
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import random
+import threading
 import time
 from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
@@ -18,6 +21,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from .errors import (
+    ConfigError,
     DatasetExistsError,
     ShardkitError,
     StorageError,
@@ -108,7 +112,7 @@ def _attempts_for(exc: BaseException, attempts: int) -> int:
     return attempts
 
 
-def _backoff(attempt: int) -> float:
+def backoff_delay(attempt: int) -> float:
     # Capped exponential backoff with full jitter (spreads retries of many workers).
     return random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt))
 
@@ -149,10 +153,85 @@ def retrying(fn: Callable[[], T], what: str, where: str, attempts: int = RETRY_A
             if isinstance(exc, ShardkitError):
                 raise
             if attempt + 1 < _attempts_for(exc, attempts) and is_transient(exc):
-                time.sleep(_backoff(attempt))
+                time.sleep(backoff_delay(attempt))
                 continue
             raise translate(exc, what, where) from exc
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+# storage_options keys whose meaning we reproduce exactly for boto3; anything else -> fsspec.
+_BOTO_OPTION_KEYS = frozenset({"key", "secret", "token", "anon", "client_kwargs", "config_kwargs", "endpoint_url",
+                               "profile", "s3_additional_kwargs", "skip_instance_cache", "use_listings_cache",
+                               "default_block_size", "default_fill_cache", "default_cache_type", "asynchronous",
+                               "loop", "version_aware", "listings_expiry_time", "max_concurrency"})
+_GET_EXTRA_KEYS = ("RequestPayer", "SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5", "ExpectedBucketOwner")
+
+
+
+
+_clients: dict[tuple[int, str], Any] = {}
+_clients_mu = threading.Lock()
+
+
+def boto_settings(storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What boto3 needs to reach the same bucket as Store, or None when it cannot be sure."""
+    opts = s3_options(storage_options)
+    if set(opts) - _BOTO_OPTION_KEYS:
+        return None  # an s3fs option we do not mirror: stay with s3fs rather than guess
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if opts.get("endpoint_url"):
+        client_kwargs.setdefault("endpoint_url", opts["endpoint_url"])
+    extra = {k: v for k, v in (opts.get("s3_additional_kwargs") or {}).items() if k in _GET_EXTRA_KEYS}
+    return {
+        "client_kwargs": client_kwargs,
+        "config_kwargs": dict(opts.get("config_kwargs") or {}),
+        "key": opts.get("key") or opts.get("aws_access_key_id"),
+        "secret": opts.get("secret") or opts.get("aws_secret_access_key"),
+        "token": opts.get("token") or opts.get("aws_session_token"),
+        "anon": bool(opts.get("anon")),
+        "profile": opts.get("profile"),
+        "get_extra": extra,
+    }
+
+
+def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) -> Any:
+    """A boto3 S3 client configured like :class:`~shardkit.storage.Store` would configure s3fs.
+
+    Explicit ``storage_options`` win (``key``/``secret``/``token``, ``client_kwargs``
+    ``endpoint_url``/``region_name``, ``config_kwargs``, ``anon``, ``profile``), then
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``/``AWS_REGION`` (via
+    :func:`~shardkit.storage.s3_options`), then boto3's own chain (environment keys, config
+    files). One client per process and settings (clients are thread-safe; a forked child
+    builds its own). Secrets are never logged: the cache key is a digest.
+
+    Raises:
+        ConfigError: the options hold something boto3 cannot mirror (use the fsspec transport).
+    """
+    settings = boto_settings(storage_options)
+    if settings is None:
+        raise ConfigError("storage_options: holds s3fs options the boto3 transport does not mirror; use transport='fsspec'")
+    ident = hashlib.sha256(json.dumps([settings, max_pool], sort_keys=True, default=repr).encode()).hexdigest()
+    cache_key = (os.getpid(), ident)
+    with _clients_mu:
+        client = _clients.get(cache_key)
+        if client is not None:
+            return client
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(profile_name=settings["profile"]) if settings["profile"] else boto3.session.Session()
+    cfg_kwargs = dict(settings["config_kwargs"])
+    cfg_kwargs["max_pool_connections"] = max(int(cfg_kwargs.get("max_pool_connections", 10)), max_pool + 2)
+    if settings["anon"]:
+        from botocore import UNSIGNED
+        cfg_kwargs["signature_version"] = UNSIGNED
+    kwargs: dict[str, Any] = dict(settings["client_kwargs"])
+    if settings["key"] and not settings["anon"]:
+        kwargs.update(aws_access_key_id=settings["key"], aws_secret_access_key=settings["secret"],
+                      aws_session_token=settings["token"])
+    client = session.client("s3", config=Config(**cfg_kwargs), **kwargs)
+    with _clients_mu:
+        return _clients.setdefault(cache_key, client)
 
 
 class Store:
@@ -163,7 +242,6 @@ class Store:
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.storage_options = dict(storage_options or {})
         self._fs = fs
-        self._boto3: Any = None
         self._root: str | None = None
         if fs is not None:
             self._root = fs._strip_protocol(self.url)
@@ -277,29 +355,14 @@ class Store:
     def is_s3(self) -> bool:
         return self.url.startswith(("s3://", "s3a://"))
 
-    def boto3_client(self) -> Any:
-        """A boto3 S3 client with the same endpoint, keys and region as this store's s3fs.
+    def boto3_client(self) -> Any | None:
+        """A boto3 client for this store (None when its options are s3fs-only: use fsspec).
 
-        Plain boto3 streams a GET about twice as fast as s3fs here (PERF.md), so bulk reads
-        use it. Created once per process (clients are thread-safe; never pickled).
+        Plain boto3 streams a GET about twice as fast as s3fs here (PERF.md), so bulk reads use it.
         """
-        client = self._boto3
-        if client is None:
-            import boto3
-            from botocore.config import Config
-
-            opts = s3_options(self.storage_options)
-            ck = dict(opts.get("client_kwargs") or {})
-            cfg = dict(opts.get("config_kwargs") or {})
-            cfg.setdefault("max_pool_connections", 32)
-            if opts.get("endpoint_url"):
-                ck.setdefault("endpoint_url", opts["endpoint_url"])
-            creds = {"aws_access_key_id": opts.get("key"), "aws_secret_access_key": opts.get("secret"),
-                     "aws_session_token": opts.get("token")}
-            session = boto3.session.Session(**{k: v for k, v in creds.items() if v})
-            client = session.client("s3", config=Config(**cfg), **ck)
-            self._boto3 = client
-        return client
+        if not self.is_s3 or boto_settings(self.storage_options) is None:
+            return None
+        return s3_client(self.storage_options)
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
         bucket, _, key = self.path(rel).partition("/")
@@ -307,9 +370,10 @@ class Store:
 
     def _open_range(self, rel: str, pos: int, end: int) -> Iterator[bytes]:
         """Chunks of bytes [pos, end) of an object, one request."""
-        if self.is_s3:
+        client = self.boto3_client()
+        if client is not None:
             bucket, key = self.bucket_key(rel)
-            body = self.boto3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={pos}-{end - 1}")["Body"]
+            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={pos}-{end - 1}")["Body"]
             try:
                 yield from body.iter_chunks(_STREAM_CHUNK)
             finally:
@@ -351,7 +415,7 @@ class Store:
                     raise
                 failures += 1
                 if failures < _attempts_for(exc, RETRY_ATTEMPTS) and is_transient(exc):
-                    time.sleep(_backoff(failures))
+                    time.sleep(backoff_delay(failures))
                     continue
                 raise translate(exc, rel, self.where) from exc
 
