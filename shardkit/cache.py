@@ -378,6 +378,10 @@ class ShardCache:
                 self._thread.start()
             self._cv.notify()
 
+    def contains(self, ref: ShardRef) -> bool:
+        """Whether ``ref`` is in the cache now (it may be evicted right after: open() decides)."""
+        return os.path.exists(self._final(_file_name(ref.name)))
+
     def stats(self) -> dict[str, float]:
         """This cache's counters: hits, misses, bytes_fetched, evictions, wait_seconds,
         corrupt_refetches, prefetched, prefetch_skipped."""

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from .cache import CachedShard, ShardCache, _file_name
+from .cache import CachedShard, ShardCache
 from .codecs import make_decoder, npy_view
 from .config import parse_size
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
@@ -340,7 +340,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         ref = shard_ref(info)
         # ShardCache has no "open only if present": look for the published file first. If it is
         # evicted between this check and open(), open() downloads it again (rare, and correct).
-        present = os.path.exists(cache._final(_file_name(ref.name)))
+        present = cache.contains(ref)
         if not present and not self.cache_shards:
             return None
         cached = cache.open(ref, self._fetch_shard)
