@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -90,7 +91,10 @@ def run_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[Sourc
                         shard.add(sample)
                     except SourceError as exc:
                         if opts.on_error != "skip":
-                            raise
+                            if item.ref in str(exc):
+                                raise
+                            # A transform's error names the sample key; the user needs the input.
+                            raise type(exc)(f"{item.ref}: {exc}") from exc
                         failed = i
                         skipped.append({"ref": item.ref, "key": item.key, "reason": str(exc)})
                         break
@@ -167,6 +171,26 @@ def _claim(store: Store, plan_id: str, overwrite: bool) -> None:
     store.put_bytes(CLAIM, body)
 
 
+def _sweep_temp(store: Store) -> None:
+    """Remove local shard temp files left by packs that died (``*.tar.tmp.<pid>.<id>``)."""
+    if store.is_object_store:
+        return  # an unfinished multipart upload is invisible; nothing to sweep
+    for rel in store.glob("shards/*.tmp.*"):
+        pid = rel.rsplit(".tmp.", 1)[1].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            store.remove(rel)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _prepare_destination(store: Store, overwrite: bool) -> None:
     if store.exists(DATASET_JSON):
         if not overwrite:
@@ -219,6 +243,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
                      options={"on_error": on_error, "transform": desc, "source": src.describe()})
     _prepare_destination(store, overwrite)
     _claim(store, plan.plan_id, overwrite)
+    _sweep_temp(store)
     runner = _run_ray if engine == "ray" else _run_local
     results = runner(store, src, plan, opts, progress, ray_address)
     return _commit(store, src.describe(), src.labels(), results, started, engine, opts)
@@ -279,6 +304,9 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
     files = [res.fragment for res in results for _ in res.shards]
     groups = [g for res in results for g in res.row_groups]
     table = shards_table(records, files, groups)
+    if store.exists(DATASET_JSON):
+        # A racing pack of the same plan committed first: leave its manifest untouched.
+        raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
     write_shards_table(store, table)
     fields = sorted({f for res in results for f in res.fields})
     skipped = [s for res in results for s in res.skipped]

@@ -8,6 +8,10 @@ per sample (the range ``[offset, offset+size)``) and xxh3-128 per shard file.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
@@ -59,6 +63,61 @@ class SampleRows:
             getattr(self, name).extend(getattr(other, name))
 
 
+class _BackgroundWriter:
+    """Hands full buffers to a thread that writes them, so reading and hashing the next
+    samples overlaps the upload of the previous ones (uploads release the GIL).
+
+    Memory is bounded: one buffer being filled plus ``depth`` waiting, each ~``chunk`` bytes.
+    An error in the thread is raised by the next ``write`` or by ``close``.
+    """
+
+    def __init__(self, out: Any, chunk: int = 8 * 2**20, depth: int = 2) -> None:
+        self.out = out
+        self.chunk = chunk
+        self._buf = bytearray()
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="shardkit-upload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self.out.write(item)
+                except BaseException as exc:  # noqa: BLE001 - handed to the writing thread
+                    self._error = exc
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._check()
+        self._buf += data
+        if len(self._buf) >= self.chunk:
+            self._queue.put(bytes(self._buf))
+            self._buf.clear()
+
+    def _drain(self) -> None:
+        if self._buf:
+            self._queue.put(bytes(self._buf))
+            self._buf.clear()
+        self._queue.put(None)
+        self._thread.join()
+
+    def close(self) -> None:
+        """Write what is left and wait for the thread; does not close ``out``."""
+        self._drain()
+        self._check()
+
+    def stop(self) -> None:
+        """Stop without caring about errors (the shard is being aborted)."""
+        self._buf.clear()
+        self._error = self._error or RuntimeError("aborted")
+        self._drain()
+
+
 class _HashingSink:
     """Writes to a file while hashing the whole stream and the current sample's span."""
 
@@ -83,9 +142,12 @@ class TarShard:
         self.index = index
         self.path = path or shard_name(index)
         self._local = not store.is_object_store
-        self._write_path = f"{self.path}.tmp" if self._local else self.path
+        # A temp name per writer: two packs racing on one local directory never interleave.
+        unique = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._write_path = f"{self.path}.tmp.{unique}" if self._local else self.path
         self._file = store.open_write(self._write_path)
-        self._sink = _HashingSink(self._file)
+        self._upload = _BackgroundWriter(self._file)
+        self._sink = _HashingSink(self._upload)
         self.rows = SampleRows()
         self.closed = False
 
@@ -123,6 +185,11 @@ class TarShard:
     def close(self) -> ShardRecord:
         """Finish the archive and make it visible under its final name."""
         self._sink.write(END_OF_ARCHIVE)
+        try:
+            self._upload.close()
+        except BaseException:
+            self.abort()
+            raise
         self._file.close()
         if self._local:
             fs = self.store.fs
@@ -135,6 +202,7 @@ class TarShard:
         if self.closed:
             return
         self.closed = True
+        self._upload.stop()
         try:
             if self._local:
                 # Local files write straight to the .tmp name (autocommit): fsspec's
