@@ -106,7 +106,27 @@ def _dataset_chunks(path: str, name: str, sel: tuple[Any, ...]) -> Iterator[byte
     """Open ``path`` and yield the .npy bytes of ``path[name][sel]`` (see :func:`_iter_npy`)."""
     ref = f"{path}::{name}"
     with _open(path) as f:
-        yield from _iter_npy(_get_dataset(f, name, ref), sel, ref)
+        yield from _iter_npy(_streaming_dataset(f, name, ref), sel, ref)
+
+
+def _streaming_dataset(f: Any, name: str, ref: str) -> Any:
+    """Dataset ``name`` opened with a chunk cache of about one chunk (at most the file's).
+
+    A streamed read visits every chunk once, in order, so the file-wide cache would only hold
+    up to 32 MiB of chunks never read again (measured: +42 MB peak RSS packing 300 MB
+    samples); one chunk still spares re-reading a chunk that two slabs share. HDF5 shares
+    one cache between opens of a dataset, so the probe is closed before the reopen.
+    """
+    h5py = _h5py()
+    probe = _get_dataset(f, name, ref)
+    chunks, itemsize, path = probe.chunks, probe.dtype.itemsize, probe.name
+    del probe  # closes it: the cache settings of the first open would win
+    if chunks is None:
+        return _get_dataset(f, name, ref)
+    chunk_bytes = int(np.prod(chunks, dtype=np.int64)) * itemsize
+    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    dapl.set_chunk_cache(521, min(_RDCC_NBYTES, max(1 << 20, chunk_bytes)), 0.75)
+    return h5py.Dataset(h5py.h5d.open(f.id, path.encode(), dapl=dapl))
 
 
 def _iter_npy(dset: Any, sel: tuple[Any, ...], ref: str) -> Iterator[bytes]:

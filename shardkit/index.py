@@ -1,0 +1,335 @@
+"""``shardkit index``: a manifest for existing WebDataset tars, built in place.
+
+The tars are not rewritten: each becomes one shard whose ``path`` is the tar's path relative
+to the dataset root. Each tar is read exactly once, front to back, in bounded chunks: the
+bytes pass through :func:`shardkit.tarscan.scan_tar` (which refuses hostile members) and,
+on the way, into the whole-file xxh3-128 and the per-sample xxh3-64 of
+``[offset of the sample's first header, end of its last member)``. Memory is one read chunk
+plus the small headers between members, whatever the member sizes.
+
+Nothing is committed unless every tar scans cleanly: ``dataset.json`` is written last,
+create-only, exactly as :func:`shardkit.pack` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, BinaryIO, Iterator
+
+import xxhash
+
+from .errors import DatasetExistsError, SourceError, UnsafeTarError
+from .manifest import DATASET_JSON, commit, dataset_info, fragment_name, shards_table, write_fragment, write_shards_table
+from .progress import Progress
+from .storage import RETRY_ATTEMPTS, Store, is_transient, translate
+from .tarscan import TarMember, group_members, scan_tar, split_name
+from .writer import SampleRows, ShardRecord
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 8 * 2**20
+# Sample rows held before a fragment is written (bounds driver memory on huge datasets).
+FRAGMENT_ROWS = 250_000
+# Bytes between two members that may still belong to one sample (headers of directories,
+# pax records): more than this is not a WebDataset tar.
+MAX_GAP = 16 * 2**20
+_PACK_CLAIM = "_pack/plan.json"
+
+
+def list_tars(store: Store) -> list[str]:
+    """``*.tar`` directly under the root and under ``shards/``, relative to the root, sorted."""
+    found = set(store.glob("*.tar")) | set(store.glob("shards/*.tar"))
+    return sorted(found)
+
+
+class _OnePass:
+    """A forward-only, seekable view of one sequential read of a tar.
+
+    ``scan_tar`` seeks over member data; here a forward seek reads the skipped bytes (in
+    chunks) instead, so every byte of the file passes once through the file hash and, when it
+    lies inside a sample, through that sample's hash. Members are reported with
+    :meth:`member` as they are found, which decides which sample the bytes belong to.
+    """
+
+    def __init__(self, store: Store, rel: str, size: int, chunk: int = READ_CHUNK) -> None:
+        self.store = store
+        self.rel = rel
+        self.size = size
+        self.chunk = chunk
+        self.file_hash = xxhash.xxh3_128()
+        self.pos = 0  # bytes consumed (seen by the scanner or skipped)
+        self._buf = b""  # loaded bytes; self._buf[self._off:] starts at self.pos
+        self._off = 0
+        self._loaded = 0  # bytes read from storage so far
+        self._raw: BinaryIO | None = None
+        # Routing: bytes before _route_until go to the open sample's hash; later ones wait in
+        # _gap until the next member tells whether they belong to its sample.
+        self._sample: Any = None
+        self._sample_key: str | None = None
+        self._sample_start = 0
+        self._route_until = 0
+        self._gap: list[bytes] = []
+        self._gap_start = 0
+        self._gap_len = 0
+        self._discard = False  # after the scan: bytes only feed the file hash
+        self.digests: dict[int, int] = {}  # first header offset -> xxh3-64 of the sample
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _open(self) -> BinaryIO:
+        fs = self.store.fs
+        raw = fs.open(self.store.path(self.rel), "rb", block_size=self.chunk, cache_type="none")
+        if self._loaded:
+            raw.seek(self._loaded)
+        return raw
+
+    def _read_raw(self, n: int) -> bytes:
+        for attempt in range(RETRY_ATTEMPTS):
+            try:
+                if self._raw is None:
+                    self._raw = self._open()
+                return self._raw.read(n)
+            except Exception as exc:  # noqa: BLE001 - classified below
+                self.close()
+                if attempt + 1 < RETRY_ATTEMPTS and is_transient(exc):
+                    time.sleep(min(5.0, 0.2 * 2**attempt))
+                    continue
+                raise translate(exc, self.rel, self.store.where) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ensure(self, n: int) -> None:
+        """Make at least ``n`` unconsumed bytes available (fewer only at end of file)."""
+        have = len(self._buf) - self._off
+        if have >= n:
+            return
+        parts = [self._buf[self._off:]]
+        while have < n and self._loaded < self.size:
+            data = self._read_raw(min(max(self.chunk, n - have), self.size - self._loaded))
+            if not data:
+                raise SourceError(f"{self.store.url_of(self.rel)}: tar shrank while reading "
+                                  f"({self._loaded} of {self.size} bytes)")
+            self.file_hash.update(data)
+            self._loaded += len(data)
+            parts.append(data)
+            have += len(data)
+        self._buf = b"".join(parts) if len(parts) > 1 else parts[0]
+        self._off = 0
+
+    def _consume(self, n: int) -> bytes:
+        """Consume up to ``n`` bytes (routing them) and return them."""
+        self._ensure(n)
+        end = min(self._off + n, len(self._buf))
+        data = self._buf[self._off:end]
+        self._off = end
+        self._route(data)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = self.size - self.pos
+        return self._consume(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != 0 or offset < self.pos:
+            raise UnsafeTarError(f"{self.store.url_of(self.rel)}: tar structure points backwards (offset {offset})")
+        while self.pos < offset:
+            if not self._consume(min(self.chunk, offset - self.pos)):
+                break  # past the end: the scanner reports the truncation
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def finish(self) -> str:
+        """Read the rest of the file (end-of-archive blocks, trailing bytes); the file digest."""
+        self._close_sample()
+        self._discard = True
+        while self.pos < self.size:
+            if not self._consume(min(self.chunk, self.size - self.pos)):
+                break
+        self._gap.clear()
+        if self._loaded != self.size:
+            raise SourceError(f"{self.store.url_of(self.rel)}: read {self._loaded} bytes, expected {self.size}")
+        self.close()
+        return self.file_hash.hexdigest()
+
+    def close(self) -> None:
+        if self._raw is not None:
+            try:
+                self._raw.close()
+            finally:
+                self._raw = None
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _route(self, data: bytes) -> None:
+        start = self.pos
+        self.pos += len(data)
+        if not data or self._discard:
+            return
+        inside = max(0, min(len(data), self._route_until - start))
+        if inside:
+            self._sample.update(memoryview(data)[:inside])
+        if inside < len(data):
+            if not self._gap:
+                self._gap_start = start + inside
+            self._gap.append(data[inside:])
+            self._gap_len += len(data) - inside
+            if self._gap_len > MAX_GAP:
+                raise UnsafeTarError(f"{self.store.url_of(self.rel)}: {self._gap_len} bytes of non-member data "
+                                     f"after offset {self._gap_start}; refused")
+
+    def member(self, m: TarMember) -> None:
+        """Attach the member just scanned (its header consumed, data not yet) to a sample."""
+        key, _ = split_name(m.name)
+        gap = b"".join(self._gap)
+        self._gap.clear()
+        self._gap_len = 0
+        if self._sample is not None and key == self._sample_key:
+            self._sample.update(gap)  # headers between members of one sample are part of it
+        else:
+            self._close_sample()
+            self._sample = xxhash.xxh3_64()
+            self._sample_key = key
+            self._sample_start = m.offset_header
+            self._sample.update(gap[m.offset_header - self._gap_start:])
+        self._route_until = m.end
+
+    def _close_sample(self) -> None:
+        if self._sample is not None:
+            self.digests[self._sample_start] = self._sample.intdigest()
+            self._sample = None
+            self._sample_key = None
+
+
+def _observe(members: Iterator[TarMember], reader: _OnePass) -> Iterator[TarMember]:
+    for m in members:
+        reader.member(m)
+        yield m
+
+
+def _fields(url: str, members: list[TarMember]) -> list[dict[str, Any]]:
+    from .sources.wds import _fields as field_names  # same rules as packing these tars
+
+    return [{"name": name, "offset": m.offset_data, "size": m.size}
+            for m, name in zip(members, field_names(url, members))]
+
+
+def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, seen: dict[str, str],
+              fields: set[str], progress: Any = None) -> ShardRecord:
+    """Scan one tar (one sequential read) and append its sample rows to ``rows``."""
+    url = store.url_of(rel)
+    size = store.size(rel)
+    reader = _OnePass(store, rel, size)
+    groups: list[tuple[str, list[TarMember]]] = []
+    first = len(rows)
+    try:
+        scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
+        for key, members in group_members(_observe(scan, reader)):
+            spans = _fields(url, members)
+            if key in seen:
+                where = seen[key]
+                raise SourceError(f"duplicate sample key {key!r}: in {where} and {rel}" if where != rel
+                                  else f"{url}: sample key {key!r} appears twice (members of a sample must be adjacent)")
+            seen[key] = rel
+            fields.update(s["name"] for s in spans)
+            groups.append((key, members))
+            rows.key.append(key)
+            rows.shard.append(shard)
+            rows.offset.append(members[0].offset_header)
+            rows.size.append(members[-1].end - members[0].offset_header)
+            rows.fields.append(spans)
+            rows.meta.append({})
+            if progress is not None:
+                progress(1, 0)
+        checksum = reader.finish()
+    finally:
+        reader.close()
+    rows.checksum.extend(reader.digests[m[0].offset_header] for _, m in groups)
+    if len(rows.checksum) != len(rows.key) or len(rows) - first != len(groups):
+        raise AssertionError("index bookkeeping out of step")  # pragma: no cover
+    if progress is not None:
+        progress(0, size)
+    return ShardRecord(shard, rel, len(groups), size, checksum)
+
+
+def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
+               storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build a shardkit manifest for the WebDataset tars at ``dest`` without rewriting them.
+
+    Args:
+        dest: a dataset root (any fsspec URL) holding ``*.tar`` directly or under ``shards/``.
+        overwrite: replace an existing manifest and dataset.json (the tars are kept).
+        progress: show a progress bar on stderr.
+        storage_options: fsspec options (credentials, endpoint).
+
+    Returns:
+        The committed dataset.json content.
+
+    Raises:
+        DatasetExistsError: ``dest`` already holds a dataset (and not ``overwrite``), or an
+            unfinished pack is writing there.
+        UnsafeTarError: a tar holds a hostile member (names it); nothing is committed.
+        SourceError: no tars, or a sample key repeats (names both tars).
+    """
+    started = time.monotonic()
+    store = Store(dest, storage_options)
+    if store.exists(DATASET_JSON):
+        if not overwrite:
+            raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to re-index it")
+        store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced manifest
+    elif store.exists(_PACK_CLAIM):
+        raise DatasetExistsError(f"{store.url} holds an unfinished pack ({_PACK_CLAIM}); finish or remove it first")
+    tars = list_tars(store)
+    if not tars:
+        raise SourceError(f"no .tar files at {store.url} (looked at *.tar and shards/*.tar)")
+    store.remove("manifest", recursive=True)  # an uncommitted manifest is stale by definition
+    total = sum(store.size(t) for t in tars)
+    records: list[ShardRecord] = []
+    files: list[str] = []
+    groups: list[int] = []
+    fields: set[str] = set()
+    seen: dict[str, str] = {}
+    rows = SampleRows()
+    pending: list[ShardRecord] = []
+    try:
+        with Progress(None, total, len(tars), "index", enabled=progress) as bar:
+            for rel in tars:
+                rec = index_tar(store, rel, len(records) + len(pending), rows, seen, fields, bar.advance)
+                bar.task_done()
+                if rec.num_samples == 0:
+                    log.warning("%s holds no samples; left out of the manifest", store.url_of(rel))
+                    continue
+                pending.append(rec)
+                if len(rows) >= FRAGMENT_ROWS:
+                    _flush(store, len(set(files)), rows, pending, records, files, groups)
+                    rows = SampleRows()
+            if pending:
+                _flush(store, len(set(files)), rows, pending, records, files, groups)
+        if not records:
+            raise SourceError(f"the tars at {store.url} hold no samples")
+        table = shards_table(records, files, groups)
+        write_shards_table(store, table)
+        info = dataset_info(table, sorted(fields), {"type": "index", "path": store.url, "tars": len(tars)}, None, [],
+                            {"index": {"tars": len(records)}})
+        commit(store, info)
+    except BaseException:
+        try:
+            store.remove("manifest", recursive=True)
+        except Exception:  # noqa: BLE001 - best-effort cleanup while the real error propagates
+            log.debug("cleanup of %s/manifest failed", store.url, exc_info=True)
+        raise
+    log.info("indexed %d samples in %d tars (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
+             info["total_bytes"], time.monotonic() - started)
+    return info
+
+
+def _flush(store: Store, number: int, rows: SampleRows, pending: list[ShardRecord], records: list[ShardRecord],
+           files: list[str], groups: list[int]) -> None:
+    name = fragment_name(number)
+    row_groups = write_fragment(store, name, rows, pending)
+    records.extend(pending)
+    files.extend(name for _ in pending)
+    groups.extend(row_groups)
+    pending.clear()

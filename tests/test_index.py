@@ -1,0 +1,187 @@
+"""``shardkit index``: manifests for existing WebDataset tars, in place, local and on S3."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardkit
+from shardkit.cli import main as cli_main
+from shardkit.errors import DatasetExistsError, SourceError, UnsafeTarError
+from shardkit.index import index_tars
+
+LONG = "deep/" + "d" * 110 + "/v1.2/" + "long_sample_name_" * 8  # > 100 chars: pax header
+
+
+def _tarfile_bytes(members: list[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1_700_000_000
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _wds_bytes(samples: list[dict[str, Any]]) -> bytes:
+    wds = pytest.importorskip("webdataset")
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as w:
+        for s in samples:
+            w.write(s)
+    return buf.getvalue()
+
+
+def _expected(data: bytes) -> dict[str, dict[str, bytes]]:
+    """key -> field -> bytes, by Python's tarfile (the reference reader)."""
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        for m in tf:
+            if m.isfile():
+                name = m.name[2:] if m.name.startswith("./") else m.name
+                head, _, base = name.rpartition("/")
+                stem, _, field = base.partition(".")
+                out.setdefault(f"{head}/{stem}" if head else stem, {})[field] = tf.extractfile(m).read()  # type: ignore[union-attr]
+    return out
+
+
+def _tars() -> dict[str, bytes]:
+    big = bytes(range(256)) * 4096 + b"tail"  # 1 MiB + 4: not a block multiple
+    return {
+        "a-000.tar": _wds_bytes([{"__key__": f"s{i:03d}", "jpg": bytes([i]) * (700 + i), "cls": str(i % 3).encode(),
+                                  "json": b'{"i": %d}' % i} for i in range(12)]),
+        "a-001.tar": _tarfile_bytes([(f"{LONG}.npy", big), (f"{LONG}.txt", b"caption"),
+                                     ("dir.with.dots/x.seg.png", b"P" * 1500), ("dir.with.dots/x.cls", b"1"),
+                                     ("./plain.bin", b"")]),
+        "a-002.tar": _tarfile_bytes([("gnu/" + "g" * 120 + ".txt", b"gnu long name")], fmt=tarfile.GNU_FORMAT),
+    }
+
+
+def _put(root: str, files: dict[str, bytes], opts: dict[str, Any] | None = None) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root, **(opts or {}))
+    for name, data in files.items():
+        fs.makedirs(fs._parent(f"{path}/{name}"), exist_ok=True)
+        fs.pipe_file(f"{path}/{name}", data)
+
+
+def _check(url: str, tars: dict[str, bytes], opts: dict[str, Any] | None = None, prefix: str = "") -> Any:
+    ds = shardkit.open_dataset(url, storage_options=opts)
+    ds.verify(deep=True)
+    assert ds.shards.column("path").to_pylist() == [prefix + n for n in sorted(tars)]
+    assert ds.shards.column("bytes").to_pylist() == [len(tars[n]) for n in sorted(tars)]
+    got = {s["__key__"]: {k: bytes(v) for k, v in s.items() if not k.startswith("__")} for s in ds.iter_samples()}
+    want: dict[str, dict[str, bytes]] = {}
+    for name in sorted(tars):
+        want.update(_expected(tars[name]))
+    assert got == want
+    # field offsets point at the member bodies in the original tars
+    for row in ds.samples.to_pylist():
+        data = tars[ds.shard_list[row["shard"]].path[len(prefix):]]
+        for f in row["fields"]:
+            assert data[f["offset"]:f["offset"] + f["size"]] == want[row["key"]][f["name"]]
+        assert tarfile.open(fileobj=io.BytesIO(data[row["offset"]:row["offset"] + row["size"]] + b"\0" * 1024))
+    return ds
+
+
+def test_index_local_tarwriter_and_tarfile(tmp_path):
+    tars = _tars()
+    _put(str(tmp_path), tars)
+    info = index_tars(str(tmp_path), progress=False)
+    assert info["num_shards"] == 3 and info["num_samples"] == 12 + 3 + 1
+    ds = _check(str(tmp_path), tars)
+    assert "dir.with.dots/x" in ds.samples.column("key").to_pylist()
+    assert {"seg.png", "npy", "jpg"} <= set(ds.fields)
+
+
+@pytest.mark.s3
+def test_index_on_s3_under_shards(s3_server, s3_bucket, s3_env):
+    tars = _tars()
+    opts = s3_server.storage_options()
+    _put(f"{s3_bucket}/wds", {f"shards/{k}": v for k, v in tars.items()}, opts)
+    assert cli_main(["index", f"{s3_bucket}/wds", "--quiet"]) == 0  # credentials from AWS_* env
+    _check(f"{s3_bucket}/wds", tars, opts, prefix="shards/")
+
+
+def test_index_matches_pack(tmp_path):
+    """On shards shardkit wrote, index records exactly the manifest pack recorded."""
+    samples = [{"__key__": f"k{i:04d}", "bin": bytes([i % 251]) * (100 + 37 * i), "cls": i % 5} for i in range(50)]
+    shardkit.pack(samples, str(tmp_path / "packed"), shard_bytes="20KB", progress=False)
+    (tmp_path / "idx").mkdir()
+    for p in sorted((tmp_path / "packed" / "shards").iterdir()):
+        (tmp_path / "idx" / p.name).write_bytes(p.read_bytes())
+    index_tars(str(tmp_path / "idx"), progress=False)
+    a, b = shardkit.open_dataset(str(tmp_path / "packed")), shardkit.open_dataset(str(tmp_path / "idx"))
+    cols = ["key", "shard", "offset", "size", "fields", "checksum"]
+    assert a.samples.select(cols).equals(b.samples.select(cols))
+    scols = ["shard", "num_samples", "bytes", "first_sample", "checksum"]
+    assert a.shards.select(scols).equals(b.shards.select(scols))
+    assert b.shards.column("path").to_pylist() == [p.split("/")[-1] for p in a.shards.column("path").to_pylist()]
+
+
+def _hostile(kind: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ok = tarfile.TarInfo("good.txt")
+        ok.size = 2
+        tf.addfile(ok, io.BytesIO(b"ok"))
+        if kind == "symlink":
+            link = tarfile.TarInfo("evil.txt")
+            link.type = tarfile.SYMTYPE
+            link.linkname = "/etc/passwd"
+            tf.addfile(link)
+        else:
+            bad = tarfile.TarInfo("../evil.txt")
+            bad.size = 1
+            tf.addfile(bad, io.BytesIO(b"x"))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dotdot", "size"])
+def test_hostile_tar_refused_nothing_committed(tmp_path, kind):
+    data = _hostile(kind) if kind != "size" else _truncated()
+    _put(str(tmp_path), {"a.tar": _tarfile_bytes([("fine.txt", b"fine")]), "b.tar": data})
+    with pytest.raises(UnsafeTarError, match="evil"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "dataset.json").exists()
+    assert not (tmp_path / "manifest").exists()
+    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
+
+
+def _truncated() -> bytes:
+    """A header that claims 1 GB of data in a file of a few KB."""
+    head = tarfile.TarInfo("evil.bin")
+    head.size = 10**9
+    return _tarfile_bytes([("good.txt", b"ok")])[:1024] + head.tobuf(tarfile.PAX_FORMAT) + b"z" * 4096
+
+
+def test_existing_dataset_refused_unless_overwrite(tmp_path):
+    tars = _tars()
+    _put(str(tmp_path), tars)
+    first = index_tars(str(tmp_path), progress=False)
+    with pytest.raises(DatasetExistsError):
+        index_tars(str(tmp_path), progress=False)
+    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
+    (tmp_path / "a-002.tar").unlink()
+    again = index_tars(str(tmp_path), overwrite=True, progress=False)
+    assert again["num_shards"] == 2 and again["num_samples"] == first["num_samples"] - 1
+    _check(str(tmp_path), {k: v for k, v in tars.items() if k != "a-002.tar"})
+
+
+def test_duplicate_keys_across_tars_name_both(tmp_path):
+    _put(str(tmp_path), {"x.tar": _tarfile_bytes([("same.txt", b"1")]), "y.tar": _tarfile_bytes([("same.txt", b"2")])})
+    with pytest.raises(SourceError, match=r"x\.tar.*y\.tar"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "dataset.json").exists()
+
+
+def test_no_tars(tmp_path):
+    (tmp_path / "readme.txt").write_text("hi")
+    with pytest.raises(SourceError, match="no .tar files"):
+        index_tars(str(tmp_path), progress=False)

@@ -1,0 +1,222 @@
+"""Packing survives kills and races: a killed driver resumes, a killed Ray task is retried,
+racing packs commit exactly once. Real SeaweedFS, real local Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import shardkit
+from shardkit.errors import DatasetExistsError
+from shardkit.sources import ImageFolderSource
+from shardkit.sources.base import SourceItem
+
+from test_pack_ray import compare_datasets, image_folder
+
+pytestmark = [pytest.mark.s3]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _keys(url: str, opts: dict[str, Any]) -> list[str]:
+    return shardkit.open_dataset(url, storage_options=opts).samples.column("key").to_pylist()
+
+
+def _source_keys(src: Path) -> list[str]:
+    return sorted(it.key for it in ImageFolderSource(src).list_items())
+
+
+def _wait_for_shards(fs: Any, prefix: str, count: int, proc: subprocess.Popen[bytes], timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return -1
+        try:
+            n = len(fs.ls(f"{prefix}/shards", refresh=True))
+        except FileNotFoundError:
+            n = 0
+        if n >= count:
+            return n
+        time.sleep(0.05)
+    return 0
+
+
+@pytest.mark.slow
+def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket):
+    """SIGKILL the CLI mid-pack, rerun: every sample once, shards identical, tasks reused."""
+    src = image_folder(tmp_path / "imgs", count=240, side=64)
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    shard = str(total // 100)  # ~100 shards in ~64 tasks
+    dest = f"{s3_bucket}/ds"
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--engine", "local", "--labels-from-dirs",
+           "--shard-size", shard, "--quiet"]
+    fs = s3_server.filesystem()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = _wait_for_shards(fs, dest[5:], 12, proc, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert seen > 0, "the pack finished (or failed) before it could be killed: make the source slower"
+    assert not fs.exists(f"{dest[5:]}/dataset.json")
+    with pytest.raises(shardkit.errors.DatasetNotFoundError):
+        shardkit.open_dataset(dest, storage_options=s3_server.storage_options())
+
+    rerun = subprocess.run(cmd + ["--json"], env=env, capture_output=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr.decode()
+    import json
+
+    info = json.loads(rerun.stdout)
+    assert info["reused_tasks"] > 0 and info["reused_tasks"] < info["tasks"]
+    opts = s3_server.storage_options()
+    keys = _keys(dest, opts)
+    assert len(keys) == len(set(keys)) and sorted(keys) == _source_keys(src)
+
+    clean = shardkit.pack(str(src), f"{s3_bucket}/clean", shard_bytes=int(shard), labels_from_dirs=True,
+                          storage_options=opts, progress=False)
+    assert clean["reused_tasks"] == 0
+    a, _ = compare_datasets(dest, f"{s3_bucket}/clean", opts)
+    a.verify(deep=True)
+
+
+class DiesOnce:
+    """An ImageFolder whose load() kills its process on one item, the first time only.
+
+    The marker file makes it once: a Ray retry (a fresh worker) then packs the item.
+    """
+
+    def __init__(self, root: str, victim: str, marker: str) -> None:
+        self.inner = ImageFolderSource(root)
+        self.victim = victim
+        self.marker = marker
+
+    def list_items(self) -> list[SourceItem]:
+        return self.inner.list_items()
+
+    def load(self, item: SourceItem) -> Any:
+        if item.key == self.victim and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os._exit(1)
+        return self.inner.load(item)
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
+    def labels(self) -> dict[str, int] | None:
+        return self.inner.labels()
+
+
+@pytest.mark.ray
+def test_killed_ray_task_is_retried(tmp_path, ray_local, s3_server, s3_bucket):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    src = image_folder(tmp_path / "imgs", count=60, side=96)
+    keys = _source_keys(src)
+    marker = tmp_path / "died"
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    opts = s3_server.storage_options()
+    info = shardkit.pack(DiesOnce(str(src), keys[len(keys) // 2], str(marker)), f"{s3_bucket}/ray",
+                         shard_bytes=total // 10, engine="ray", storage_options=opts, progress=False)
+    assert marker.exists() and int(marker.read_text()) != os.getpid()  # a worker really died
+    assert info["num_samples"] == 60
+    shardkit.pack(ImageFolderSource(src), f"{s3_bucket}/local", shard_bytes=total // 10, engine="local",
+                  storage_options=opts, progress=False)
+    a, _ = compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local", opts)
+    assert sorted(a.samples.column("key").to_pylist()) == keys
+    a.verify(deep=True)
+
+
+class SlowSource:
+    """Delays every load so a second pack can start while the first is running."""
+
+    def __init__(self, root: str, delay: float) -> None:
+        self.inner = ImageFolderSource(root)
+        self.delay = delay
+
+    def list_items(self) -> list[SourceItem]:
+        return self.inner.list_items()
+
+    def load(self, item: SourceItem) -> Any:
+        time.sleep(self.delay)
+        return self.inner.load(item)
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
+    def labels(self) -> dict[str, int] | None:
+        return self.inner.labels()
+
+
+def test_race_different_input_second_refused(tmp_path, s3_server, s3_bucket):
+    first_src = image_folder(tmp_path / "a", count=30, side=64)
+    image_folder(tmp_path / "b", count=20, side=64, seed=1)
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    result: dict[str, Any] = {}
+
+    def first() -> None:
+        try:
+            result["info"] = shardkit.pack(SlowSource(str(first_src), 0.02), dest, shard_bytes="20KB",
+                                           storage_options=opts, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        fs = s3_server.filesystem()
+        deadline = time.monotonic() + 30
+        while not fs.exists(f"{dest[5:]}/_pack/plan.json") and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.02)
+        with pytest.raises(DatasetExistsError, match="unfinished pack of different input"):
+            shardkit.pack(str(tmp_path / "b"), dest, shard_bytes="20KB", labels_from_dirs=True,
+                          storage_options=opts, progress=False)
+    finally:
+        t.join(60)
+    assert "error" not in result, result.get("error")
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert sorted(ds.samples.column("key").to_pylist()) == _source_keys(first_src)
+    ds.verify(deep=True)
+    # and once committed, a different input is refused as well
+    with pytest.raises(DatasetExistsError, match="already holds a dataset"):
+        shardkit.pack(str(tmp_path / "b"), dest, labels_from_dirs=True, storage_options=opts, progress=False)
+
+
+def test_race_same_input_commits_once(tmp_path, s3_server, s3_bucket):
+    src = image_folder(tmp_path / "imgs", count=40, side=64)
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    barrier = threading.Barrier(2)
+    outcomes: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = shardkit.pack(str(src), dest, shard_bytes="16KB", labels_from_dirs=True,
+                                        storage_options=opts, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    wins = [o for o in outcomes if isinstance(o, dict)]
+    losses = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(wins) == 1 and len(losses) == 1, outcomes
+    assert isinstance(losses[0], DatasetExistsError), repr(losses[0])
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert sorted(ds.samples.column("key").to_pylist()) == _source_keys(src)
+    assert ds.info["created"] == wins[0]["created"]
+    ds.verify(deep=True)
