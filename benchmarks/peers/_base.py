@@ -1,0 +1,88 @@
+"""What every peer script shares: its config, the decode transform, the loader settings.
+
+Run as scripts, peers import this module by path (``benchmarks`` is on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.common import emit, failed_row, one_line, package_versions, row, time_loader
+
+WORKERS = 2
+BATCH = 256
+
+
+def load_config() -> dict[str, Any]:
+    with open(sys.argv[1]) as f:
+        return json.load(f)
+
+
+def list_images(images_dir: str) -> list[tuple[str, int]]:
+    """Sorted (path, label) pairs of an ImageFolder: labels from sorted class folders."""
+    root = Path(images_dir)
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    out: list[tuple[str, int]] = []
+    for label, cls in enumerate(classes):
+        out.extend((str(p), label) for p in sorted((root / cls).glob("*.jpg")))
+    return out
+
+
+class Crop:
+    """shardkit.CenterCrop(224) semantics on a ``{"jpg": bytes, ...}`` sample; picklable."""
+
+    def __init__(self) -> None:
+        from shardkit.codecs import CenterCrop
+
+        self.crop = CenterCrop(224, field="jpg")
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        out = self.crop({"jpg": bytes(sample["jpg"])})
+        return {"jpg": out["jpg"], "cls": int(sample["cls"])}
+
+
+def loader(ds: Any, **kw: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    kw.setdefault("batch_size", BATCH)
+    return DataLoader(ds, num_workers=WORKERS, **kw)
+
+
+def epoch_row(name: str, group: str, tool: str, make: Callable[[], Any], nbytes: int, expect: int | None = None,
+              **extra: Any) -> dict[str, Any]:
+    """Time one epoch of ``make()``; a short epoch is reported as failed, never as fast."""
+    seconds, n = time_loader(make())
+    if expect is not None and n != expect:
+        return failed_row(name, group, tool, f"epoch gave {n} samples, expected {expect}", samples=n,
+                          seconds=round(seconds, 3), **extra)
+    return row(name, group, tool, samples=n, seconds=seconds, nbytes=nbytes, **extra)
+
+
+def guarded(rows: list[dict[str, Any]], name: str, group: str, tool: str, fn: Callable[[], dict[str, Any]],
+            kind: str = "loader") -> dict[str, Any]:
+    try:
+        r = fn()
+    except Exception as exc:  # noqa: BLE001 - one row's failure is that row's result
+        traceback.print_exc(file=sys.stderr)
+        r = failed_row(name, group, tool, f"{type(exc).__name__}: {exc}", kind=kind)
+    rows.append(r)
+    return r
+
+
+def finish(rows: list[dict[str, Any]], packages: list[str]) -> None:
+    emit({"rows": rows, "versions": package_versions(packages), "python": sys.version.split()[0],
+          "executable": sys.executable})
+
+
+def quiet_env() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+__all__ = ["BATCH", "WORKERS", "Crop", "epoch_row", "failed_row", "finish", "guarded", "list_images", "load_config",
+           "loader", "one_line", "row"]

@@ -1,0 +1,97 @@
+"""Ceilings on the same shard bytes shardkit reads: what the storage and the disk can give.
+
+cold: parallel ranged GETs (boto3, 8 threads) of every shard object into preallocated buffers.
+warm: ``cat`` of the cached shard files (8 MB chunks, readinto one buffer).
+Rates are shown as samples/s equivalents (the shards hold every sample once).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.common import boto3_client, failed_row, row  # noqa: E402
+from benchmarks.peers._base import finish, guarded, load_config  # noqa: E402
+
+TOOL = "ceiling"
+CHUNK = 8 << 20
+
+
+def ranged_get(bucket: str, prefix: str, n: int) -> dict[str, Any]:
+    client = boto3_client(max_pool=16)
+    objs = [(o["Key"], o["Size"]) for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
+    if not objs:
+        raise FileNotFoundError(f"no shard objects under s3://{bucket}/{prefix}")
+    total = sum(s for _, s in objs)
+    bufs = {k: bytearray(s) for k, s in objs}  # preallocated before the clock starts
+
+    def get(job: tuple[str, int, int]) -> int:
+        key, lo, hi = job
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
+        raw = body._raw_stream  # urllib3 response: readinto, no intermediate bytes
+        view = memoryview(bufs[key])[lo:hi]
+        got = 0
+        while got < hi - lo:
+            k = raw.readinto(view[got:])
+            if not k:
+                raise OSError(f"short read of {key} at {lo + got}")
+            got += k
+        return got
+
+    jobs = []
+    for key, size in objs:
+        part = -(-size // 8)
+        jobs.extend((key, lo, min(size, lo + part)) for lo in range(0, size, part))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        got = sum(ex.map(get, jobs))
+    seconds = time.perf_counter() - t0
+    if got != total:
+        raise OSError(f"read {got} of {total} bytes")
+    return row("ceiling: S3 ranged GET x8 threads, same shards", "cold", TOOL, kind="ceiling", samples=n,
+               seconds=seconds, nbytes=total)
+
+
+def cat(cache_dir: str, n: int) -> dict[str, Any]:
+    files = [p for p in Path(cache_dir).rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+    if not files:
+        raise FileNotFoundError(f"no cached shard files under {cache_dir}")
+    buf = memoryview(bytearray(CHUNK))
+    total = 0
+    t0 = time.perf_counter()
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                k = f.readinto(buf)
+                if not k:
+                    break
+                total += k
+    return row("ceiling: cat cached shard files (8 MB reads)", "warm", TOOL, kind="ceiling", samples=n,
+               seconds=time.perf_counter() - t0, nbytes=total)
+
+
+def main() -> None:
+    cfg = load_config()
+    n = int(cfg["num_images"])
+    rows: list[dict[str, Any]] = []
+    guarded(rows, "ceiling: S3 ranged GET x8 threads, same shards", "cold", TOOL,
+            lambda: ranged_get(cfg["bucket"], "shardkit/shards/", n), kind="ceiling")
+    cache = cfg.get("shardkit_cache")
+    if cache and os.path.isdir(cache):
+        guarded(rows, "ceiling: cat cached shard files (8 MB reads)", "warm", TOOL, lambda: cat(cache, n),
+                kind="ceiling")
+    else:
+        rows.append(failed_row("ceiling: cat cached shard files (8 MB reads)", "warm", TOOL,
+                               "shardkit cache not populated", kind="ceiling"))
+    finish(rows, ["boto3"])
+
+
+if __name__ == "__main__":
+    main()
