@@ -304,45 +304,53 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             self._tick(source, n)
 
     def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
-        layouts = [source.layout(s) for s, _ in pieces]
-        names = layouts[0].names if layouts[0] is not None else None
-        if names is None or any(lay is None or lay.names != names for lay in layouts):
+        """One raw batch: offsets computed with numpy per shard, then one slice copy per member.
+
+        A shuffled batch has ~one run per sample, so per-run Python work is what limits the
+        rate: everything per shard is vectorised and the per-member loop is a bare slice copy.
+        """
+        layouts = {s: source.layout(s) for s, _ in pieces}
+        first = next(iter(layouts.values()))
+        names = first.names if first is not None else None
+        if names is None or any(lay is None or lay.names != names for lay in layouts.values()):
             return self._build_slow(source, pieces, carry, runs)  # ragged fields: per-sample collate
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
-        n = sum(len(p) for _, p in pieces)
-        index = np.concatenate([p + first_sample[s] for s, p in pieces]) if len(pieces) > 1 else \
-            pieces[0][1] + first_sample[pieces[0][0]]
-        nf = len(names)
+        pos = np.concatenate([p for _, p in pieces]) if len(pieces) > 1 else pieces[0][1]
+        shard_of = np.repeat(np.fromiter((s for s, _ in pieces), np.int64, len(pieces)),
+                             np.fromiter((len(p) for _, p in pieces), np.int64, len(pieces)))
+        n, nf = len(pos), len(names)
+        members = {s: np.flatnonzero(shard_of == s) for s in layouts}
         sizes = np.empty((n, nf), np.int64)
-        at = 0
-        for (_, p), lay in zip(pieces, layouts):
-            sizes[at:at + len(p)] = lay.sizes[p]
-            at += len(p)
+        starts = np.empty((n, nf), np.int64)
+        for s, idx in members.items():
+            lay = layouts[s]
+            sizes[idx] = lay.sizes[pos[idx]]  # type: ignore[union-attr]
+            starts[idx] = lay.offs[pos[idx]]  # type: ignore[union-attr]
         offsets = np.zeros((nf, n + 1), np.int64)
         np.cumsum(sizes.T, axis=1, out=offsets[:, 1:])
         outs = [np.empty(int(offsets[j, -1]), np.uint8) for j in range(nf)]
-        keys: list[str] = []
+        keys: list[str] = [""] * n
         infos = self.ds.shard_list
-        at = 0
-        for i, ((shard, p), lay) in enumerate(zip(pieces, layouts)):
-            held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
-            plist = p.tolist()
+        window = _Later(pieces, 0, carry, runs)  # the whole batch stays pinned while it is built
+        for s, idx in members.items():
+            lay = layouts[s]
+            mine = pos[idx]
+            held = source.get(s, mine, window)
+            plist = mine.tolist()
             if held.verify and self.verify:
-                rows = source.rows(shard)
+                rows = source.rows(s)
                 for k in plist:
-                    verify_sample(held.view, held.base, rows, k, f"shard {shard} ({infos[shard].path})")
-            arr, base = held.array, held.base
+                    verify_sample(held.view, held.base, rows, k, f"shard {s} ({infos[s].path})")
+            arr = held.array
+            where = idx.tolist()
             for j in range(nf):
-                offs, lens = lay.offs[p, j].tolist(), lay.sizes[p, j].tolist()
-                a, b = int(offsets[j, at]), int(offsets[j, at + len(p)])
-                if len(plist) == 1:
-                    outs[j][a:b] = arr[offs[0] - base:offs[0] - base + lens[0]]
-                else:
-                    np.concatenate([arr[o - base:o - base + ln] for o, ln in zip(offs, lens)], out=outs[j][a:b])
+                out, dst = outs[j], offsets[j].tolist()
+                for k, a, ln in zip(where, (starts[idx, j] - held.base).tolist(), sizes[idx, j].tolist()):
+                    out[dst[k]:dst[k] + ln] = arr[a:a + ln]
             del arr
-            keys.extend([lay.keys[k] for k in plist])
-            at += len(p)
-        batch: dict[str, Any] = {"__key__": keys, "__index__": index}
+            for k, p in zip(where, plist):
+                keys[k] = lay.keys[p]  # type: ignore[union-attr]
+        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        batch: dict[str, Any] = {"__key__": keys, "__index__": pos + first_sample[shard_of]}
         for j, name in enumerate(names):
             batch[name] = outs[j]
             batch[name + OFFSETS] = offsets[j]
