@@ -15,12 +15,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-import pyarrow.parquet as pq
-
 from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
-from .manifest import (DATASET_JSON, commit, dataset_info, fragment_name, shards_table, write_fragment,
-                       write_shards_table)
+from .manifest import (
+    DATASET_JSON,
+    commit,
+    dataset_info,
+    fragment_name,
+    parquet_file,
+    shards_table,
+    write_fragment,
+    write_shards_table,
+)
 from .plan import PackPlan, TaskPlan, make_plan
 from .progress import Progress
 from .sample import PackSample
@@ -124,8 +130,7 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
     try:
         if not store.exists(frag):
             return None
-        with store.fs.open(store.path(frag), "rb") as f:
-            md = pq.ParquetFile(f).metadata
+        md = parquet_file(store.read_bytes(frag)).metadata
         raw = (md.metadata or {}).get(_TASK_META.encode())
     except Exception:  # noqa: BLE001 - an unreadable fragment is simply redone
         log.debug("fragment %s unreadable, redoing task", frag, exc_info=True)

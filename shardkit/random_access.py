@@ -29,13 +29,13 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import xxhash
 
 from .cache import CachedShard, ShardCache
 from .codecs import make_decoder, npy_view
 from .config import parse_size
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
+from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
 from .reader import Dataset, ShardInfo, ShardRows, sample_dict
 from .shardio import cache_namespace, shard_ref
@@ -294,8 +294,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         keys: list[pa.Array] = []
         index: list[np.ndarray] = []
         for name, infos in by_file.items():
-            with store.fs.open(store.path(name), "rb") as f:  # reads the footer and key chunks only
-                table = pq.ParquetFile(f).read_row_groups([s.samples_row_group for s in infos], columns=["key"])
+            table = parquet_file(store.read_bytes(name)).read_row_groups([s.samples_row_group for s in infos],
+                                                                         columns=["key"])
             if table.num_rows != sum(s.num_samples for s in infos):
                 raise ManifestError(f"{self.url}: {name} holds {table.num_rows} keys, shards.parquet says "
                                     f"{sum(s.num_samples for s in infos)}")

@@ -7,7 +7,6 @@ dataset opens in about the time of two small GETs on every rank.
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -19,7 +18,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .errors import IntegrityError, ManifestError
-from .manifest import read_info, read_shards
+from .manifest import parquet_file, read_info, read_shards
 from .storage import Store
 
 log = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ class Dataset:
         pf = self._fragments.get(name)
         if pf is None:
             data = self.store.read_bytes(name)
-            pf = pq.ParquetFile(io.BytesIO(data))
+            pf = parquet_file(data)
             self._fragments[name] = pf
         return pf
 
@@ -178,7 +177,7 @@ class Dataset:
         """All sample rows (loaded on first access: only for tools, not for every rank)."""
         if self._samples is None:
             files = sorted({s.samples_file for s in self.shard_list if s.samples_file}) or self.store.glob("manifest/samples-*.parquet")
-            tables = [pq.read_table(io.BytesIO(self.store.read_bytes(f))) for f in files]
+            tables = [parquet_file(self.store.read_bytes(f)).read() for f in files]
             self._samples = pa.concat_tables(tables, promote_options="default") if tables else self._empty_rows()
         return self._samples
 
