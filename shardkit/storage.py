@@ -81,6 +81,19 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         raise StorageError(f"cannot open {url}: {exc}") from exc
 
 
+def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """A fresh instance of ``fs`` (same class and arguments) for a forked process.
+
+    fsspec clears its instance cache when the pid changes, so this never hands back the
+    parent's instance; a filesystem passed in by the caller keeps its own configuration.
+    """
+    args = getattr(fs, "storage_args", None)
+    kwargs = getattr(fs, "storage_options", None)
+    if args is None or kwargs is None:
+        return fs
+    return type(fs)(*args, **kwargs)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Worth retrying: resets, timeouts, truncated bodies, 5xx and SlowDown."""
     if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, ShardkitError)):
@@ -242,6 +255,7 @@ class Store:
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.storage_options = dict(storage_options or {})
         self._fs = fs
+        self._fs_pid = os.getpid()
         self._root: str | None = None
         if fs is not None:
             self._root = fs._strip_protocol(self.url)
@@ -260,6 +274,12 @@ class Store:
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:
             self._fs, self._root = open_fs(self.url, self.storage_options)
+            self._fs_pid = os.getpid()
+        elif self._fs_pid != os.getpid():
+            # s3fs filesystems are not fork-safe (event loop and sessions belong to the parent):
+            # a Store used before a fork (DataLoader workers) reopens its filesystem in the child.
+            self._fs = reopen_fs(self._fs)
+            self._fs_pid = os.getpid()
         return self._fs
 
     @property

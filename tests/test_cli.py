@@ -204,3 +204,21 @@ def test_destination_without_dataset_json(source: Path, tmp_path: Path, backend:
     empty = f"{url}-never-packed"
     with pytest.raises(DatasetNotFoundError, match="dataset.json"):
         shardkit.open_dataset(empty, storage_options=so)
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_help_from_the_console_script() -> None:
+    """The installed ``shardkit`` finds benchmarks/ in the checkout whatever the cwd, and passes -h through."""
+    script = Path(sys.executable).parent / "shardkit"
+    if not script.is_file():
+        pytest.skip("no shardkit console script next to the interpreter (pip install -e .)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
+    for flag in ("--help", "-h"):
+        r = subprocess.run([str(script), "bench", flag], capture_output=True, text=True, env=env, timeout=120,
+                           cwd="/tmp")
+        assert r.returncode == 0, r.stderr
+        assert "benchmarks.run" in r.stdout
+        for option in ("--quick", "--images", "--no-peers", "--out"):
+            assert option in r.stdout, r.stdout
