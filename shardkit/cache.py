@@ -6,6 +6,7 @@ its locks with its file descriptors. Layout of ``cache_dir`` (``limit_bytes`` co
     .global.lock                    flock EX: space accounting (reserve, evict, rename, sweep)
     <ns>/<file>                     verified shards; <file> = percent-quoted shard name
     <ns>/.tmp/<file>.<size>.<pid>   downloads in flight; each counts <size> from its creation
+                                    (a positional download has st_size <size> while in flight)
     <ns>/.locks/<file>.pin          flock SH by readers while open, EX|NB by the evictor
     <ns>/.locks/<file>.dl           flock EX by the one process downloading the shard
 
@@ -35,7 +36,8 @@ import xxhash
 
 from .errors import CacheFullError, ConfigError, IntegrityError
 
-__all__ = ["ShardRef", "Fetch", "ShardCache", "CachedShard", "CacheFullError"]
+__all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "is_positional", "ShardCache", "CachedShard",
+           "CacheFullError"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,28 @@ class ShardRef:
 
 Fetch = Callable[[ShardRef, BinaryIO, int], None]
 """``fetch(ref, out, start)`` writes bytes ``[start, ref.size)`` of the shard into ``out``."""
+
+FetchInto = Callable[[ShardRef, memoryview, int], Optional[int]]
+"""``fetch(ref, view, start)`` fills ``view[start:]`` (``view`` is the whole shard: a writable
+map of the temp file) in any order, e.g. with parallel ranged GETs. It may return the bytes it
+moved (else the cache counts ``ref.size - start``). Mark it with :func:`positional`.
+
+The cache verifies size and xxh3-128 of the whole file after it returns, exactly as for a
+:data:`Fetch`. Parts land out of order, so the length of a partial file means nothing: when a
+positional fetch fails, its temp file is emptied (the reservation stays) and the next attempt
+starts from byte 0.
+"""
+
+
+def positional(fn: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
+    """Mark ``fn`` (a function, or the function behind a method) as a :data:`FetchInto`."""
+    fn.writes_at_offsets = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_positional(fetch: object) -> bool:
+    """Whether ``fetch`` is a :data:`FetchInto` (bound methods see their function's mark)."""
+    return bool(getattr(fetch, "writes_at_offsets", False))
 
 # A prefetch carries the shards planned before it (it must not evict them); None = foreground.
 _Prefetch = Optional[frozenset[str]]
@@ -310,7 +334,7 @@ class ShardCache:
         self._sched: dict[str, list[int]] = {}  # file -> positions in the schedule
         self._cursor = 0  # schedule positions before this one are past
         self._cv = threading.Condition()
-        self._plan: list[tuple[ShardRef, Fetch, frozenset[str]]] = []
+        self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str]]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
         with self._global():  # sweep partial downloads of dead processes that nobody adopted
@@ -334,14 +358,15 @@ class ShardCache:
         with self._mu:
             self._sched, self._cursor = pos, 0
 
-    def open(self, ref: ShardRef, fetch: Fetch) -> CachedShard:
+    def open(self, ref: ShardRef, fetch: Fetch | FetchInto) -> CachedShard:
         """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
 
         Raises:
             ConfigError: the shard is larger than the cache limit.
             IntegrityError: the download disagrees with ``ref`` twice in a row.
             CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
-            Whatever ``fetch`` raises (the partial download is kept and resumed next time).
+            Whatever ``fetch`` raises (the partial download is kept and resumed next time;
+            after a positional fetch the reservation is kept and the next time starts from 0).
         """
         if ref.size < 0:
             raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
@@ -360,7 +385,7 @@ class ShardCache:
             raise
         return CachedShard(ref, self._final(file), cast(int, fd), pin)
 
-    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch, max_ahead: int = 2) -> None:
+    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2) -> None:
         """Download the first ``max_ahead`` of ``refs``, in order, in a background thread.
 
         Replaces the part of an earlier plan not started yet. A prefetch never waits: it
@@ -473,7 +498,7 @@ class ShardCache:
         os.close(fd)
         return "corrupt", None
 
-    def _ensure(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: _Prefetch) -> int | None:
+    def _ensure(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch) -> int | None:
         """An fd of the verified shard (its pin held by the caller); None if a prefetch skips."""
         state, fd = self._open_final(ref, file)
         downloaded = False
@@ -508,27 +533,35 @@ class ShardCache:
             self._add("misses" if downloaded else "hits")
         return fd
 
-    def _download(self, ref: ShardRef, fetch: Fetch, file: str, prefetch: _Prefetch) -> bool:
+    def _download(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch) -> bool:
         """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skips."""
         got = self._reserve(ref, file, prefetch)
         if got is None:
             return False
         tmp, start = got
+        into = is_positional(fetch)
+        if into:
+            start = 0  # a positional partial file cannot be resumed from its length
         for attempt in (1, 2):
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
             try:
                 if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
                     _preallocate(fd, ref.size)
-                sink = _Sink(fd, ref, start)
-                try:
-                    fetch(ref, cast(BinaryIO, sink), start)
-                except BaseException:
-                    if not sink.overflow:
-                        raise  # keep the partial file: the next attempt resumes from its end
-                finally:
-                    self._add("bytes_fetched", sink.pos - start)
-                if sink.ok():
+                if into:
+                    pos, digest = self._fetch_into(ref, cast(FetchInto, fetch), fd)
+                    ok = pos == ref.size and digest == ref.checksum.lower()
+                else:
+                    sink = _Sink(fd, ref, start)
+                    try:
+                        fetch(ref, cast(BinaryIO, sink), start)
+                    except BaseException:
+                        if not sink.overflow:
+                            raise  # keep the partial file: the next attempt resumes from its end
+                    finally:
+                        self._add("bytes_fetched", sink.pos - start)
+                    ok, pos, digest = sink.ok(), sink.pos, sink.digest()
+                if ok:
                     with self._global():
                         os.replace(tmp, self._final(file))
                     st = os.fstat(fd)
@@ -537,13 +570,40 @@ class ShardCache:
             finally:
                 os.close(fd)
             log.warning("cache: shard %s: got %d bytes with xxh3 %s from byte %d (attempt %d); the "
-                        "manifest says %d bytes with %s", ref.name, sink.pos, sink.digest(), start,
+                        "manifest says %d bytes with %s", ref.name, pos, digest, start,
                         attempt, ref.size, ref.checksum)
             start = 0
         with self._global():
             _unlink(tmp)
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
-                             f"xxh3 {ref.checksum}) twice; last got {sink.pos} bytes with xxh3 {sink.digest()}")
+                             f"xxh3 {ref.checksum}) twice; last got {pos} bytes with xxh3 {digest}")
+
+    def _fetch_into(self, ref: ShardRef, fetch: FetchInto, fd: int) -> tuple[int, str]:
+        """Run a positional fetch into a writable map of the temp file ``fd``, from byte 0.
+
+        Returns (file size, xxh3-128 of the whole file). On failure the file is emptied (its
+        name keeps the reservation), so whoever tries next starts from 0, and the error is raised.
+        """
+        os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by _preallocate)
+        mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE) if ref.size else None
+        view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
+        try:
+            try:
+                moved = fetch(ref, view, 0)
+            except BaseException:
+                os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
+                raise
+            self._add("bytes_fetched", ref.size if moved is None else moved)
+            # One pass over the map, ~10 GB/s; the bytes are still in the page cache.
+            digest = xxhash.xxh3_128_hexdigest(mm if mm is not None else b"")
+            return os.fstat(fd).st_size, digest
+        finally:
+            try:
+                view.release()
+                if mm is not None:
+                    mm.close()
+            except BufferError:  # the fetch kept a slice: unmapped when that is dropped
+                log.debug("cache: shard %s: fetch still holds a view of the temp file", ref.name)
 
     def _reserve(self, ref: ShardRef, file: str, prefetch: _Prefetch) -> tuple[str, int] | None:
         """A temp file that counts ``ref.size``, and the bytes already in it.
