@@ -22,14 +22,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .batching import OFFSETS, collate
+from .batching import collate
 from .cache import ShardCache
 from .codecs import make_decoder
 from .config import parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
-from .reader import Dataset, sample_dict, verify_sample
+from .reader import Dataset, sample_dict
+from .rawbatch import BatchPlan, fill, plan_batch
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
 
@@ -39,6 +40,7 @@ except ImportError:  # pragma: no cover - exercised only without torch
     _IterableBase = object  # type: ignore[misc,assignment]
 
 STATE_VERSION = 1
+_NONE = np.zeros(0, np.int64)
 _LOOKAHEAD = 256  # runs looked ahead: which shards to keep open, what to read ahead
 _STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
 
@@ -98,12 +100,19 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._ds_pid = os.getpid()
         self._samples_done = 0
         self._live: tuple[ShardSource, Topology] | None = None
+        # "copy": workers send filled batches; "map": workers send BatchPlans that the main
+        # process fills from the cache (set by StreamingDataLoader when it applies).
+        self.handoff = "copy"
+        self.loader_workers = 0  # the DataLoader's num_workers, when StreamingDataLoader knows it
+        self._main_source: ShardSource | None = None
         self._next_stats = 0.0
         self._write_control()
 
     def __getstate__(self) -> dict[str, Any]:
+        # Open sources (the worker's live one, the main process's for the map handoff) stay home.
         state = dict(self.__dict__)
         state["_live"] = None
+        state["_main_source"] = None
         return state
 
     # ---- epoch and resume state -----------------------------------------------------------
@@ -185,17 +194,20 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     # ---- iteration ------------------------------------------------------------------------
 
     def _open_source(self, topo: Topology) -> ShardSource:
-        infos = self.ds.shard_list
-        biggest = max((i.bytes for i in infos), default=1) or 1
         window = self.shuffle_block + self.prefetch if self.shuffle else 2
         if self.cache_dir is None:
             return ShardSource(self.ds, None, self.prefetch, max_open=window)
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
-        # Every process on the node pins what it holds open; with a small cache_limit a
-        # process holds one shard at a time so that pins alone can never fill the cache.
-        procs = _local_world(topo) * topo.num_workers
-        fits = self.cache_limit // (biggest * procs) - 1
-        return ShardSource(self.ds, cache, self.prefetch, max_open=max(1, min(window, fits)))
+        return ShardSource(self.ds, cache, self.prefetch, max_open=max(1, min(window, self._pin_budget(topo))))
+
+    def _pin_budget(self, topo: Topology) -> int:
+        """Shards one process may keep open. Every process on the node pins what it holds
+        (workers, and the main processes with the map handoff); with a small cache_limit a
+        process holds one shard at a time, so that pins alone can never fill the cache."""
+        biggest = max((i.bytes for i in self.ds.shard_list), default=1) or 1
+        workers = self.loader_workers or topo.num_workers
+        procs = _local_world(topo) * (workers + (1 if self.handoff == "map" else 0))
+        return int(self.cache_limit // (biggest * procs) - 1)
 
     def _dataset_here(self) -> Dataset:
         # A forked DataLoader worker inherits the parent's open filesystem (s3fs is not
@@ -300,61 +312,43 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     n += len(p)
             if n == 0 or (n < size and self.drop_last):
                 return
-            yield _to_torch(self._build(source, pieces, carry, runs))
+            built = self._build(source, pieces, carry, runs)
+            yield built if isinstance(built, BatchPlan) else _to_torch(built)
             self._tick(source, n)
 
-    def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
-        """One raw batch: offsets computed with numpy per shard, then one slice copy per member.
-
-        A shuffled batch has ~one run per sample, so per-run Python work is what limits the
-        rate: everything per shard is vectorised and the per-member loop is a bare slice copy.
-        """
-        layouts = {s: source.layout(s) for s, _ in pieces}
-        first = next(iter(layouts.values()))
-        names = first.names if first is not None else None
-        if names is None or any(lay is None or lay.names != names for lay in layouts.values()):
+    def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> Any:
+        """One raw batch; with the map handoff, its plan (the main process copies the bytes)."""
+        plan = plan_batch(source, pieces, self.ds.shards.column("first_sample").to_numpy())
+        if plan is None:
             return self._build_slow(source, pieces, carry, runs)  # ragged fields: per-sample collate
-        pos = np.concatenate([p for _, p in pieces]) if len(pieces) > 1 else pieces[0][1]
-        shard_of = np.repeat(np.fromiter((s for s, _ in pieces), np.int64, len(pieces)),
-                             np.fromiter((len(p) for _, p in pieces), np.int64, len(pieces)))
-        n, nf = len(pos), len(names)
-        members = {s: np.flatnonzero(shard_of == s) for s in layouts}
-        sizes = np.empty((n, nf), np.int64)
-        starts = np.empty((n, nf), np.int64)
-        for s, idx in members.items():
-            lay = layouts[s]
-            sizes[idx] = lay.sizes[pos[idx]]  # type: ignore[union-attr]
-            starts[idx] = lay.offs[pos[idx]]  # type: ignore[union-attr]
-        offsets = np.zeros((nf, n + 1), np.int64)
-        np.cumsum(sizes.T, axis=1, out=offsets[:, 1:])
-        outs = [np.empty(int(offsets[j, -1]), np.uint8) for j in range(nf)]
-        keys: list[str] = [""] * n
-        infos = self.ds.shard_list
         window = _Later(pieces, 0, carry, runs)  # the whole batch stays pinned while it is built
-        for s, idx in members.items():
-            lay = layouts[s]
-            mine = pos[idx]
-            held = source.get(s, mine, window)
-            plist = mine.tolist()
-            if held.verify and self.verify:
-                rows = source.rows(s)
-                for k in plist:
-                    verify_sample(held.view, held.base, rows, k, f"shard {s} ({infos[s].path})")
-            arr = held.array
-            where = idx.tolist()
-            for j in range(nf):
-                out, dst = outs[j], offsets[j].tolist()
-                for k, a, ln in zip(where, (starts[idx, j] - held.base).tolist(), sizes[idx, j].tolist()):
-                    out[dst[k]:dst[k] + ln] = arr[a:a + ln]
-            del arr
-            for k, p in zip(where, plist):
-                keys[k] = lay.keys[p]  # type: ignore[union-attr]
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
-        batch: dict[str, Any] = {"__key__": keys, "__index__": pos + first_sample[shard_of]}
-        for j, name in enumerate(names):
-            batch[name] = outs[j]
-            batch[name + OFFSETS] = offsets[j]
-        return batch
+        if self.handoff == "map" and source.cache is not None and not _in_main_process():
+            for s, (_, mine) in plan.members.items():
+                source.get(s, mine, window)  # downloaded and verified before the plan leaves
+            return plan
+        return fill(source, plan, window, self.verify)
+
+    def materialize(self, plan: BatchPlan, pin: bool = False) -> dict[str, Any]:
+        """Fill a batch plan sent by a worker (map handoff), in this (the main) process."""
+        if self._main_source is None:
+            self._dataset_here()
+            self._main_source = self._open_source(current(self.rank, self.world_size))
+        source = self._main_source
+        # Keep shards mapped across batches (re-mapping a shard per batch page-faults every
+        # byte again). The map handoff only runs when every process's pins fit the cache with
+        # room to spare, so a shard evicted after its worker moved on can always come back.
+        window = [(s, mine) for s, (_, mine) in plan.members.items()] + [(s, _NONE) for s in source.held()]
+        return _to_torch(fill(source, plan, window, self.verify, pin=pin))
+
+    def map_handoff_fits(self) -> bool:
+        """Whether the cache has room for the map handoff's extra pins (see materialize)."""
+        return self.cache_dir is not None and self._pin_budget(current(self.rank, self.world_size)) >= 1
+
+    def close(self) -> None:
+        """Release what the main process holds for the map handoff (also done at exit)."""
+        if self._main_source is not None:
+            self._main_source.close()
+            self._main_source = None
 
     def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
         first_sample = self.ds.shards.column("first_sample").to_numpy()

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from .dataset import StreamingDataset
 from .errors import ConfigError
+from .rawbatch import BatchPlan
 
 
 class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -23,6 +24,10 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         batch_size: samples per batch. When the dataset already batches in its workers
             (``StreamingDataset(batch_size=...)``), leave this ``None``: the DataLoader then
             passes the worker's batches through (``DataLoader(batch_size=None)``).
+        handoff: ``"auto"`` (default) uses the map handoff when the dataset yields raw batches
+            from a node cache through workers: workers send small batch plans and this process
+            copies the bytes from the verified cached shards, so raw bytes never go through
+            the worker pipe. ``"copy"`` always sends filled batches.
         **kwargs: any other DataLoader argument (``num_workers``, ``pin_memory``,
             ``persistent_workers``, ``collate_fn``, ...).
 
@@ -30,7 +35,10 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
     epoch>)``; call it between steps and save it with the model. ``load_state_dict`` forwards.
     """
 
-    def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, *, handoff: str = "auto",
+                 **kwargs: Any) -> None:
+        if handoff not in ("auto", "map", "copy"):
+            raise ConfigError(f"handoff: expected 'auto', 'map' or 'copy', got {handoff!r}")
         if not isinstance(dataset, StreamingDataset):
             raise ConfigError("StreamingDataLoader needs a shardkit.StreamingDataset")
         if dataset.batch_size is not None:
@@ -43,12 +51,31 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             dataset.chunk = batch_size or 1
         kwargs.setdefault("shuffle", None)  # order comes from the dataset
         super().__init__(dataset, batch_size=batch_size, **kwargs)
+        # Raw batches from a node cache: workers send plans, this process copies from the
+        # cached files (bytes never cross the worker pipe). Decoded data stays in workers.
+        mappable = (dataset.batch_size is not None and dataset.decode is None and dataset.cache_dir is not None
+                    and self.num_workers > 0)
+        if handoff == "map" and not mappable:
+            raise ConfigError("handoff='map' needs StreamingDataset(batch_size=..., decode=None, cache_dir=...) "
+                              "and num_workers > 0")
+        dataset.loader_workers = self.num_workers
+        dataset.handoff = "map" if mappable and handoff != "copy" else "copy"
+        if dataset.handoff == "map" and not dataset.map_handoff_fits():
+            # A cache too small for everyone's pins plus a main-process pin could stall: the
+            # main process would wait for space that blocked workers hold. Copy instead.
+            if handoff == "map":
+                raise ConfigError(f"handoff='map': cache_limit {dataset.cache_limit} bytes is too small for the "
+                                  "shards every process pins; raise it or use handoff='copy'")
+            dataset.handoff = "copy"
+        self._pin = bool(self.pin_memory) and _cuda_available()
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
 
     def __iter__(self) -> Iterator[Any]:
         self._consumed = 0
         for batch in super().__iter__():
+            if isinstance(batch, BatchPlan):
+                batch = self.dataset.materialize(batch, pin=self._pin)  # type: ignore[attr-defined]
             self._consumed += _count(batch, self._per_batch)
             yield batch
 
@@ -73,3 +100,9 @@ def _count(batch: Any, default: int) -> int:
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], dict) and "__key__" in batch[0]:
         return len(batch)
     return default
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
