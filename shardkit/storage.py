@@ -363,7 +363,7 @@ class Store:
         found = self.call(lambda: self.fs.glob(self.path(pattern)), pattern)
         return sorted(p[len(prefix):] if p.startswith(prefix) else p for p in found)
 
-    def open_write(self, rel: str, block_size: int = 16 * 2**20) -> BinaryIO:
+    def open_write(self, rel: str, block_size: int = 8 * 2**20) -> BinaryIO:
         """A streaming writer (multipart upload on S3, bounded buffer of ``block_size``)."""
         self._parent_dir(rel)
         try:

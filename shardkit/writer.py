@@ -71,7 +71,7 @@ class _BackgroundWriter:
     An error in the thread is raised by the next ``write`` or by ``close``.
     """
 
-    def __init__(self, out: Any, chunk: int = 8 * 2**20, depth: int = 2) -> None:
+    def __init__(self, out: Any, chunk: int = 8 * 2**20, depth: int = 1) -> None:
         self.out = out
         self.chunk = chunk
         self._buf = bytearray()
@@ -94,15 +94,22 @@ class _BackgroundWriter:
 
     def write(self, data: bytes | memoryview) -> None:
         self._check()
+        if len(data) >= self.chunk:
+            # A big piece (a streamed member's chunk) goes as it is: no copy into the buffer.
+            self._flush()
+            self._queue.put(data if isinstance(data, bytes) else bytes(data))
+            return
         self._buf += data
         if len(self._buf) >= self.chunk:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
             self._queue.put(bytes(self._buf))
             self._buf.clear()
 
     def _drain(self) -> None:
-        if self._buf:
-            self._queue.put(bytes(self._buf))
-            self._buf.clear()
+        self._flush()
         self._queue.put(None)
         self._thread.join()
 
