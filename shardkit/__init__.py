@@ -5,47 +5,39 @@ Public API::
     shardkit.pack(source, "s3://bucket/ds", shard_bytes="512MB", engine="local" | "ray")
     ds = shardkit.open_dataset("s3://bucket/ds")
     stream = shardkit.StreamingDataset("s3://bucket/ds", cache_dir="/nvme/shardkit", shuffle=True)
+    loader = shardkit.StreamingDataLoader(stream, num_workers=8)      # exact resume
+    ra = shardkit.ShardDataset("s3://bucket/ds")                      # random access
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "pack", "open_dataset", "Dataset", "StreamingDataset", "ShardDataset", "StreamingDataLoader", "wds_shards", "ShardWriter", "CenterCrop",
-    "errors", "__version__",
-]
+# name -> module that defines it. Imported on first use so `import shardkit` stays cheap
+# (no torch, no pyarrow) until something is used.
+_LAZY = {
+    "pack": ".packer",
+    "open_dataset": ".reader",
+    "Dataset": ".reader",
+    "StreamingDataset": ".dataset",
+    "StreamingDataLoader": ".loader",
+    "ShardDataset": ".random_access",
+    "wds_shards": ".wds_stage",
+    "ShardWriter": ".writer",
+    "CenterCrop": ".codecs",
+    "index_tars": ".index",
+}
+
+__all__ = [*_LAZY, "errors", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: `import shardkit` stays cheap (no torch, no pyarrow) until something is used.
-    if name == "pack":
-        from .packer import pack
-        return pack
-    if name in ("open_dataset", "Dataset"):
-        from . import reader
-        return getattr(reader, name)
-    if name == "StreamingDataset":
-        from .dataset import StreamingDataset
-        return StreamingDataset
-    if name == "StreamingDataLoader":
-        from .loader import StreamingDataLoader
-        return StreamingDataLoader
-    if name == "wds_shards":
-        from .wds_stage import wds_shards
-        return wds_shards
-    if name == "ShardDataset":
-        from .random_access import ShardDataset
-        return ShardDataset
-    if name == "ShardWriter":
-        from .writer import ShardWriter
-        return ShardWriter
-    if name == "CenterCrop":
-        from .codecs import CenterCrop
-        return CenterCrop
     if name == "errors":
-        from . import errors
-        return errors
-    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+        return importlib.import_module(".errors", __name__)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
