@@ -17,6 +17,7 @@ import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable, Iterator
 
+from .chunks import read_exact
 from .errors import UnsafeTarError
 
 BLOCK = 512
@@ -59,14 +60,7 @@ def _round_up(n: int) -> int:
 
 def _read_at(fileobj: BinaryIO, offset: int, n: int) -> bytes:
     fileobj.seek(offset)
-    parts = []
-    while n > 0:
-        b = fileobj.read(n)
-        if not b:
-            break
-        parts.append(b)
-        n -= len(b)
-    return b"".join(parts)
+    return read_exact(fileobj, n)
 
 
 def check_member_name(name: str, *, tar: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 import numpy as np
 
+from ..chunks import CHUNK_BYTES, iter_exact, read_exact
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
 from .base import SourceItem
@@ -29,7 +30,6 @@ except ImportError:  # pragma: no cover - numpy 1.x
     from numpy.lib import format as _npformat  # type: ignore[no-redef]
 
 #: Largest piece a streamed field yields, and the size above which a member streams.
-CHUNK_BYTES = 8 * 1024 * 1024
 
 _MAGIC = b"\x93NUMPY"
 # A header this large is not something np.save writes; refuse instead of reading it.
@@ -81,15 +81,15 @@ def parse_npy_header(fp: BinaryIO, *, name: str) -> tuple[np.dtype, tuple[int, .
         SourceError: naming ``name`` if the magic, version or header dict is bad, or the dtype
             holds Python objects (pickled payloads are refused).
     """
-    magic = _read_exact(fp, 8)
+    magic = read_exact(fp, 8)
     if len(magic) < 8 or magic[:6] != _MAGIC:
         raise SourceError(f"{name}: not a .npy file (bad magic)")
     major = magic[6]
     if major == 1:
-        len_bytes = _read_exact(fp, 2)
+        len_bytes = read_exact(fp, 2)
         prefix = 10
     elif major in (2, 3):
-        len_bytes = _read_exact(fp, 4)
+        len_bytes = read_exact(fp, 4)
         prefix = 12
     else:
         raise SourceError(f"{name}: unsupported .npy format version {major}.{magic[7]}")
@@ -98,7 +98,7 @@ def parse_npy_header(fp: BinaryIO, *, name: str) -> tuple[np.dtype, tuple[int, .
     hlen = int.from_bytes(len_bytes, "little")
     if hlen > _MAX_HEADER:
         raise SourceError(f"{name}: .npy header of {hlen} bytes is implausibly large")
-    raw = _read_exact(fp, hlen)
+    raw = read_exact(fp, hlen)
     if len(raw) < hlen:
         raise SourceError(f"{name}: truncated .npy header")
     try:
@@ -120,44 +120,21 @@ def parse_npy_header(fp: BinaryIO, *, name: str) -> tuple[np.dtype, tuple[int, .
     return dtype, shape, fortran, prefix + hlen
 
 
-def _read_exact(fp: BinaryIO, n: int) -> bytes:
-    parts = []
-    while n > 0:
-        b = fp.read(n)
-        if not b:
-            break
-        parts.append(b)
-        n -= len(b)
-    return b"".join(parts)
-
-
 def _data_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def _file_chunks(path: str, size: int, name: str) -> Iterator[bytes]:
-    """Yield the first ``size`` bytes of ``path`` in pieces of at most CHUNK_BYTES."""
+    """The first ``size`` bytes of ``path`` in pieces of at most CHUNK_BYTES."""
     with open(path, "rb") as f:
-        left = size
-        while left > 0:
-            b = f.read(min(CHUNK_BYTES, left))
-            if not b:
-                raise SourceError(f"{name}: file shrank while reading ({left} bytes missing)")
-            left -= len(b)
-            yield b
+        yield from iter_exact(f, size, name, CHUNK_BYTES)
 
 
 def _zip_member_chunks(path: str, member: str, size: int, name: str) -> Iterator[bytes]:
-    """Yield the decompressed bytes of one zip member in pieces of at most CHUNK_BYTES."""
+    """The decompressed bytes of one zip member in pieces of at most CHUNK_BYTES."""
     try:
         with zipfile.ZipFile(path) as zf, zf.open(member) as f:
-            left = size
-            while left > 0:
-                b = f.read(min(CHUNK_BYTES, left))
-                if not b:
-                    raise SourceError(f"{name}: member shrank while reading ({left} bytes missing)")
-                left -= len(b)
-                yield b
+            yield from iter_exact(f, size, name, CHUNK_BYTES)
     except (zipfile.BadZipFile, OSError) as exc:
         raise SourceError(f"{name}: cannot read npz member: {exc}") from exc
 

@@ -20,11 +20,11 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ..chunks import CHUNK_BYTES, iter_exact
 from ..errors import SourceError, SourceNotFoundError, UnsafeTarError
 from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
 from ..tarscan import TarMember, group_members, scan_tar, split_name
 from .base import SourceItem
-from .npy import CHUNK_BYTES
 
 #: Samples up to this many bytes are fetched with one ranged read; larger ones stream.
 INLINE_LIMIT = 64 * 1024 * 1024
@@ -43,18 +43,12 @@ def _url_to_fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
 
 
 def _range_chunks(url: str, storage_options: Mapping[str, Any] | None, offset: int, size: int) -> Iterator[bytes]:
-    """Yield ``size`` bytes of ``url`` from ``offset`` in pieces of at most CHUNK_BYTES."""
+    """``size`` bytes of ``url`` from ``offset`` in pieces of at most CHUNK_BYTES."""
     fs, path = _url_to_fs(url, storage_options)
     try:
         with fs.open(path, "rb") as f:
             f.seek(offset)
-            left = size
-            while left > 0:
-                b = f.read(min(CHUNK_BYTES, left))
-                if not b:
-                    raise SourceError(f"{url}: tar shrank while reading ({left} bytes missing at {offset + size - left})")
-                left -= len(b)
-                yield b
+            yield from iter_exact(f, size, f"{url} at byte {offset}", CHUNK_BYTES)
     except FileNotFoundError as exc:
         raise SourceNotFoundError(f"{url}: no such file") from exc
 
