@@ -59,9 +59,10 @@ SHARD_SCHEMA = pa.schema([
 def parquet_file(data: bytes) -> pq.ParquetFile:
     """A ParquetFile over bytes in memory.
 
-    Always through ``pa.BufferReader``: pyarrow 26 reading row data through a Python file
-    object (``io.BytesIO``, an fsspec file) sometimes aborts the interpreter at exit
-    ("terminate called without an active exception"), seen here ~1 run in 10.
+    Always through ``pa.BufferReader``, and callers read with ``use_threads=False``: pyarrow
+    26 sometimes aborts the interpreter at exit ("terminate called without an active
+    exception") once its thread pools ran (reading through a Python file object did so ~1 run
+    in 10 here). Manifest row groups are small: threads buy nothing there.
     """
     return pq.ParquetFile(pa.BufferReader(data))
 
@@ -207,7 +208,7 @@ def read_info(store: Store) -> dict[str, Any]:
 
 def read_shards(store: Store) -> pa.Table:
     data = store.read_bytes(SHARDS_PARQUET)
-    table = parquet_file(data).read()
+    table = parquet_file(data).read(use_threads=False)
     missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
     if missing:
         raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")

@@ -294,8 +294,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         keys: list[pa.Array] = []
         index: list[np.ndarray] = []
         for name, infos in by_file.items():
-            table = parquet_file(store.read_bytes(name)).read_row_groups([s.samples_row_group for s in infos],
-                                                                         columns=["key"])
+            groups = [s.samples_row_group for s in infos]
+            table = parquet_file(store.read_bytes(name)).read_row_groups(groups, columns=["key"], use_threads=False)
             if table.num_rows != sum(s.num_samples for s in infos):
                 raise ManifestError(f"{self.url}: {name} holds {table.num_rows} keys, shards.parquet says "
                                     f"{sum(s.num_samples for s in infos)}")

@@ -155,7 +155,7 @@ class Dataset:
         if info.num_samples == 0:
             return self.samples.schema.empty_table() if self._samples is not None else self._empty_rows()
         if info.samples_file and info.samples_row_group >= 0:
-            table = self._fragment(info.samples_file).read_row_group(info.samples_row_group)
+            table = self._fragment(info.samples_file).read_row_group(info.samples_row_group, use_threads=False)
         else:  # a manifest without the row-group columns: filter the fragments
             table = self.samples.filter(pc.equal(self.samples.column("shard"), shard))
         if table.num_rows != info.num_samples:
@@ -177,7 +177,7 @@ class Dataset:
         """All sample rows (loaded on first access: only for tools, not for every rank)."""
         if self._samples is None:
             files = sorted({s.samples_file for s in self.shard_list if s.samples_file}) or self.store.glob("manifest/samples-*.parquet")
-            tables = [parquet_file(self.store.read_bytes(f)).read() for f in files]
+            tables = [parquet_file(self.store.read_bytes(f)).read(use_threads=False) for f in files]
             self._samples = pa.concat_tables(tables, promote_options="default") if tables else self._empty_rows()
         return self._samples
 
