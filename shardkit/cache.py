@@ -18,9 +18,7 @@ Lock files are never deleted: deleting one would let two processes lock differen
 from __future__ import annotations
 
 import bisect
-import ctypes
 import fcntl
-import io
 import logging
 import mmap
 import os
@@ -28,12 +26,23 @@ import re
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import BinaryIO, Callable, ClassVar, Iterator, Optional, Sequence, cast
-from urllib.parse import quote
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence, cast
 
 import xxhash
 
+from .cachefs import (
+    CacheEntry,
+    FileLock,
+    HashingSink,
+    ShardRef,
+    file_name,
+    fmt_bytes,
+    hash_fd,
+    list_with_stat,
+    pid_alive,
+    preallocate,
+    unlink_quiet,
+)
 from .errors import CacheFullError, ConfigError, IntegrityError
 
 __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "is_positional", "ShardCache", "CachedShard",
@@ -45,21 +54,6 @@ _POLL = 0.05
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
 _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
-
-
-@dataclass(frozen=True)
-class ShardRef:
-    """One shard as the manifest describes it.
-
-    Attributes:
-        name: shard path relative to the dataset root, e.g. ``shards/shard-000003.tar``.
-        size: bytes.
-        checksum: xxh3-128 hex digest of the whole file.
-    """
-
-    name: str
-    size: int
-    checksum: str
 
 
 Fetch = Callable[[ShardRef, BinaryIO, int], None]
@@ -91,167 +85,6 @@ def is_positional(fetch: object) -> bool:
 _Prefetch = Optional[frozenset[str]]
 
 
-class _Lock:
-    """One flock on its own open file description, so threads exclude each other too."""
-
-    held: ClassVar[set[int]] = set()  # fds locked by this process; closed in forked children
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.pid = fd, os.getpid()
-
-    @classmethod
-    def take(cls, path: str, op: int = fcntl.LOCK_EX) -> _Lock:
-        """Lock ``path`` (created if missing), waiting as long as it takes."""
-        return cast(_Lock, cls.try_take(path, op))
-
-    @classmethod
-    def try_take(cls, path: str, op: int) -> _Lock | None:
-        """Like :meth:`take`; None when ``op`` has LOCK_NB and the lock is taken."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, op)
-        except BaseException as exc:
-            os.close(fd)
-            if isinstance(exc, BlockingIOError) and op & fcntl.LOCK_NB:
-                return None
-            raise
-        cls.held.add(fd)
-        return cls(fd)
-
-    def release(self) -> None:
-        # A forked child shares the parent's lock; only the process that took it unlocks.
-        if self.fd >= 0 and self.pid == os.getpid():
-            _Lock.held.discard(self.fd)
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-        self.fd = -1
-
-
-def _close_inherited_locks() -> None:
-    # Else a DataLoader worker forked while the parent holds a lock would keep that lock
-    # alive after the parent dies: "locks die with their holder" would no longer hold.
-    for fd in list(_Lock.held):
-        os.close(fd)
-    _Lock.held.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
-
-try:
-    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-except (OSError, AttributeError):  # not glibc: the reservation stays logical only
-    _fallocate = None
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve disk blocks but keep st_size (FALLOC_FL_KEEP_SIZE), best effort.
-
-    st_size then keeps meaning "bytes downloaded so far", the point a resume starts from; a
-    failure (e.g. EOPNOTSUPP) only loses the early ENOSPC.
-    """
-    if _fallocate is not None and size > 0:
-        _fallocate(fd, 1, 0, size)
-
-
-def _file_name(name: str) -> str:
-    """An injective, flat, non-hidden file name for a shard name."""
-    q = quote(name, safe="")
-    q = "%2E" + q[1:] if q.startswith(".") else q
-    if len(q) > 200:  # stay under NAME_MAX with suffixes; "%%" never occurs in quoted text
-        q = q[:150] + "%%" + xxhash.xxh3_64_hexdigest(name.encode())
-    return q
-
-
-def _fmt(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # gone already is the state we want
-
-
-def _listdir(path: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
-    """Entries with their lstat; entries removed meanwhile are left out."""
-    out = []
-    try:
-        with os.scandir(path) as it:
-            for e in it:
-                try:
-                    out.append((e, e.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue
-    except FileNotFoundError:
-        pass  # a namespace without a .tmp dir holds nothing in flight
-    return out
-
-
-@dataclass
-class _Entry:
-    """A file that counts against the limit."""
-
-    path: str
-    ns: str
-    file: str
-    size: int  # st_size of a shard; the full reservation of a temp file
-    mtime: int
-    temp: bool
-    pid: int = 0
-
-
-class _Sink(io.RawIOBase):
-    """The ``out`` given to fetch: writes through to the temp file and hashes as it goes."""
-
-    def __init__(self, fd: int, ref: ShardRef, start: int) -> None:
-        super().__init__()
-        self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
-        self._hash = xxhash.xxh3_128()
-        if start:  # resuming: hash the bytes already there
-            with mmap.mmap(fd, start, access=mmap.ACCESS_READ) as m:
-                self._hash.update(m)
-        os.lseek(fd, start, os.SEEK_SET)
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def write(self, b: object) -> int:  # type: ignore[override]
-        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if self.overflow or self.pos + mv.nbytes > self._ref.size:
-            self.overflow = True  # never write past the reservation
-            raise IntegrityError(f"shard {self._ref.name}: fetch wrote more than its {self._ref.size} bytes")
-        self._hash.update(mv)
-        left = mv
-        while left.nbytes:
-            left = left[os.write(self._fd, left):]
-        self.pos += mv.nbytes
-        return mv.nbytes
-
-    def digest(self) -> str:
-        return self._hash.hexdigest()
-
-    def ok(self) -> bool:
-        return not self.overflow and self.pos == self._ref.size and self.digest() == self._ref.checksum.lower()
-
-
 class CachedShard:
     """A verified shard on local disk, pinned against eviction until :meth:`close`.
 
@@ -260,7 +93,7 @@ class CachedShard:
         path: local file path, valid while the shard is open.
     """
 
-    def __init__(self, ref: ShardRef, path: str, fd: int, pin: _Lock) -> None:
+    def __init__(self, ref: ShardRef, path: str, fd: int, pin: FileLock) -> None:
         self.ref, self.path = ref, path
         self._fd, self._pin = fd, pin
         self._mmap: mmap.mmap | None = None
@@ -340,11 +173,11 @@ class ShardCache:
         with self._global():  # sweep partial downloads of dead processes that nobody adopted
             for e in self._scan():
                 dl = None
-                if e.temp and e.pid and not _pid_alive(e.pid):
-                    dl = _Lock.try_take(self._lock_path(e.ns, e.file, "dl"), _EX_NB)
+                if e.temp and e.pid and not pid_alive(e.pid):
+                    dl = FileLock.try_take(self._lock_path(e.ns, e.file, "dl"), _EX_NB)
                 if dl is not None:
                     log.info("cache: removing stale partial download %s", e.path)
-                    _unlink(e.path)
+                    unlink_quiet(e.path)
                     dl.release()
 
     def set_schedule(self, upcoming: Sequence[str]) -> None:
@@ -354,7 +187,7 @@ class ShardCache:
         """
         pos: dict[str, list[int]] = {}
         for i, name in enumerate(upcoming):
-            pos.setdefault(_file_name(name), []).append(i)
+            pos.setdefault(file_name(name), []).append(i)
         with self._mu:
             self._sched, self._cursor = pos, 0
 
@@ -371,13 +204,13 @@ class ShardCache:
         if ref.size < 0:
             raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
         if ref.size > self._limit:
-            raise ConfigError(f"shard {ref.name} is {_fmt(ref.size)}, larger than cache_limit "
-                              f"{_fmt(self._limit)}; raise cache_limit")
-        file = _file_name(ref.name)
+            raise ConfigError(f"shard {ref.name} is {fmt_bytes(ref.size)}, larger than cache_limit "
+                              f"{fmt_bytes(self._limit)}; raise cache_limit")
+        file = file_name(ref.name)
         with self._mu:
             nxt = self._next_use(file)
             self._cursor = self._cursor if nxt is None else nxt + 1
-        pin = _Lock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
+        pin = FileLock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
         try:
             fd = self._ensure(ref, fetch, file, None)
         except BaseException:
@@ -396,7 +229,7 @@ class ShardCache:
             if self._closed:
                 return
             plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
-            self._plan = [(r, fetch, frozenset(_file_name(q.name) for q in plan[:i])) for i, r in enumerate(plan)]
+            self._plan = [(r, fetch, frozenset(file_name(q.name) for q in plan[:i])) for i, r in enumerate(plan)]
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._prefetch_loop, name="shardkit-cache-prefetch",
                                                 daemon=True)
@@ -405,7 +238,7 @@ class ShardCache:
 
     def contains(self, ref: ShardRef) -> bool:
         """Whether ``ref`` is in the cache now (it may be evicted right after: open() decides)."""
-        return os.path.exists(self._final(_file_name(ref.name)))
+        return os.path.exists(self._final(file_name(ref.name)))
 
     def stats(self) -> dict[str, float]:
         """This cache's counters: hits, misses, bytes_fetched, evictions, wait_seconds,
@@ -446,7 +279,7 @@ class ShardCache:
 
     @contextmanager
     def _global(self, op: int = fcntl.LOCK_EX) -> Iterator[None]:
-        lock = _Lock.take(os.path.join(self._root, ".global.lock"), op)
+        lock = FileLock.take(os.path.join(self._root, ".global.lock"), op)
         try:
             yield
         finally:
@@ -461,19 +294,19 @@ class ShardCache:
         k = bisect.bisect_left(positions, self._cursor)
         return positions[k] if k < len(positions) else None
 
-    def _scan(self) -> list[_Entry]:
+    def _scan(self) -> list[CacheEntry]:
         """Every file that counts against the limit (global lock held, so it is exact)."""
-        out: list[_Entry] = []
-        for ns, _ in _listdir(self._root):
+        out: list[CacheEntry] = []
+        for ns, _ in list_with_stat(self._root):
             if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):
                 continue
-            for e, st in _listdir(ns.path):
+            for e, st in list_with_stat(ns.path):
                 if not e.is_dir(follow_symlinks=False):
-                    out.append(_Entry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
-            for t, st in _listdir(os.path.join(ns.path, ".tmp")):
+                    out.append(CacheEntry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
+            for t, st in list_with_stat(os.path.join(ns.path, ".tmp")):
                 m = _TEMP.match(t.name)
                 file, size, pid = (m["file"], int(m["size"]), int(m["pid"])) if m else (t.name, 0, 0)
-                out.append(_Entry(t.path, ns.name, file, max(st.st_size, size), st.st_mtime_ns, True, pid))
+                out.append(CacheEntry(t.path, ns.name, file, max(st.st_size, size), st.st_mtime_ns, True, pid))
         return out
 
     # ---- the download path ---------------------------------------------------------------
@@ -488,7 +321,7 @@ class ShardCache:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
             if st.st_size == ref.size and (not self._verify or key in self._verified
-                                           or _hash_fd(fd, ref.size) == ref.checksum.lower()):
+                                           or hash_fd(fd, ref.size) == ref.checksum.lower()):
                 self._verified.add(key)
                 os.utime(fd)  # last access, for LRU eviction
                 return "ok", fd
@@ -504,7 +337,7 @@ class ShardCache:
         downloaded = False
         if state != "ok":
             t0 = time.monotonic()
-            dl = _Lock.try_take(self._lock_path(self._ns, file, "dl"),
+            dl = FileLock.try_take(self._lock_path(self._ns, file, "dl"),
                                 fcntl.LOCK_EX | (0 if prefetch is None else fcntl.LOCK_NB))
             if dl is None:  # another process is downloading it: prefetch enough
                 self._add("prefetch_skipped")
@@ -515,7 +348,7 @@ class ShardCache:
                 if state == "corrupt":
                     log.warning("cache: shard %s is corrupt on disk; fetching it again", ref.name)
                     with self._global():
-                        _unlink(self._final(file))
+                        unlink_quiet(self._final(file))
                     self._add("corrupt_refetches")
                 if state != "ok":
                     if not self._download(ref, fetch, file, prefetch):
@@ -547,12 +380,12 @@ class ShardCache:
             try:
                 if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
-                    _preallocate(fd, ref.size)
+                    preallocate(fd, ref.size)
                 if into:
                     pos, digest = self._fetch_into(ref, cast(FetchInto, fetch), fd)
                     ok = pos == ref.size and digest == ref.checksum.lower()
                 else:
-                    sink = _Sink(fd, ref, start)
+                    sink = HashingSink(fd, ref, start)
                     try:
                         fetch(ref, cast(BinaryIO, sink), start)
                     except BaseException:
@@ -574,7 +407,7 @@ class ShardCache:
                         attempt, ref.size, ref.checksum)
             start = 0
         with self._global():
-            _unlink(tmp)
+            unlink_quiet(tmp)
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
                              f"xxh3 {ref.checksum}) twice; last got {pos} bytes with xxh3 {digest}")
 
@@ -584,7 +417,7 @@ class ShardCache:
         Returns (file size, xxh3-128 of the whole file). On failure the file is emptied (its
         name keeps the reservation), so whoever tries next starts from 0, and the error is raised.
         """
-        os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by _preallocate)
+        os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by preallocate)
         mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE) if ref.size else None
         view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
         try:
@@ -623,7 +456,7 @@ class ShardCache:
                     if blockers is None:
                         tmp = self._temp(file, ref.size)
                         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                        _preallocate(fd, ref.size)
+                        preallocate(fd, ref.size)
                         os.close(fd)
                         return tmp, 0
                 waited = time.monotonic() - t0
@@ -633,9 +466,9 @@ class ShardCache:
                     pinned = [e for e in blockers or [] if not e.temp]
                     flight = [e for e in blockers or [] if e.temp]
                     raise CacheFullError(
-                        f"cache_limit {_fmt(self._limit)} too small: {len(pinned)} shards in use by readers "
-                        f"hold {_fmt(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
-                        f"reserve {_fmt(sum(e.size for e in flight))}; need {_fmt(ref.size)} for {ref.name} "
+                        f"cache_limit {fmt_bytes(self._limit)} too small: {len(pinned)} shards in use by readers "
+                        f"hold {fmt_bytes(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
+                        f"reserve {fmt_bytes(sum(e.size for e in flight))}; need {fmt_bytes(ref.size)} for {ref.name} "
                         f"(waited {waited:.1f} s in {self._root})")
                 time.sleep(_POLL)
         finally:
@@ -646,20 +479,20 @@ class ShardCache:
         """Take over a partial download of ``ref`` left by any process (global and download
         locks held, so nobody writes it); return it under this pid's name, with its length."""
         found = None
-        for t, st in _listdir(os.path.join(self._root, self._ns, ".tmp")):
+        for t, st in list_with_stat(os.path.join(self._root, self._ns, ".tmp")):
             m = _TEMP.match(t.name)
             if m is not None and m["file"] == file:
                 if found is None and int(m["size"]) == ref.size and st.st_size <= ref.size:
                     found = t.path, st.st_size
                 else:
-                    _unlink(t.path)
+                    unlink_quiet(t.path)
         if found is None:
             return None
         mine = self._temp(file, ref.size)
         os.replace(found[0], mine)
         return mine, found[1]
 
-    def _evict(self, entries: list[_Entry], excess: int, file: str, prefetch: _Prefetch) -> list[_Entry] | None:
+    def _evict(self, entries: list[CacheEntry], excess: int, file: str, prefetch: _Prefetch) -> list[CacheEntry] | None:
         """Delete unpinned files until ``excess`` bytes are free (global lock held).
 
         Order: abandoned partial downloads, then shards not in this process's schedule (least
@@ -669,7 +502,7 @@ class ShardCache:
         with self._mu:
             uses = {e.file: self._next_use(e.file) for e in entries if e.ns == self._ns}
             mine = self._next_use(file)
-        ranked: list[tuple[tuple[int, int], _Entry]] = []
+        ranked: list[tuple[tuple[int, int], CacheEntry]] = []
         for e in entries:
             nxt = uses.get(e.file) if e.ns == self._ns else None
             if e.temp:
@@ -681,14 +514,14 @@ class ShardCache:
             elif prefetch is None or (mine is not None and nxt > mine):
                 ranked.append(((2, -nxt), e))
         ranked.sort(key=lambda r: r[0])
-        held: list[tuple[_Entry, _Lock]] = []
-        blockers: list[_Entry] = []
+        held: list[tuple[CacheEntry, FileLock]] = []
+        blockers: list[CacheEntry] = []
         freed = 0
         try:
             for _, e in ranked:
                 if freed >= excess:
                     break
-                lock = _Lock.try_take(self._lock_path(e.ns, e.file, "dl" if e.temp else "pin"), _EX_NB)
+                lock = FileLock.try_take(self._lock_path(e.ns, e.file, "dl" if e.temp else "pin"), _EX_NB)
                 if lock is None:
                     blockers.append(e)
                 else:
@@ -698,7 +531,7 @@ class ShardCache:
                 return blockers
             for e, _ in held:
                 log.debug("cache: evicting %s (%d bytes)", e.path, e.size)
-                _unlink(e.path)
+                unlink_quiet(e.path)
                 self._add("evictions", float(not e.temp))
             return None
         finally:
@@ -713,8 +546,8 @@ class ShardCache:
                 if self._closed:
                     return
                 ref, fetch, earlier = self._plan.pop(0)
-            file = _file_name(ref.name)
-            pin = _Lock.try_take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            file = file_name(ref.name)
+            pin = FileLock.try_take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH | fcntl.LOCK_NB)
             if pin is None:  # being evicted this instant
                 self._add("prefetch_skipped")
                 continue
@@ -726,10 +559,3 @@ class ShardCache:
                 log.warning("cache: prefetch of %s failed: %s", ref.name, exc)
             finally:
                 pin.release()
-
-
-def _hash_fd(fd: int, size: int) -> str:
-    if size == 0:
-        return xxhash.xxh3_128_hexdigest(b"")
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
-        return xxhash.xxh3_128_hexdigest(m)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from .cachefs import pid_alive
 from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from .manifest import (
@@ -182,18 +182,8 @@ def _sweep_temp(store: Store) -> None:
         return  # an unfinished multipart upload is invisible; nothing to sweep
     for rel in store.glob("shards/*.tmp.*"):
         pid = rel.rsplit(".tmp.", 1)[1].split(".", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             store.remove(rel)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _prepare_destination(store: Store, overwrite: bool) -> None:
