@@ -91,6 +91,49 @@ def time_loader(loader: Iterable[Any], count: Callable[[Any], int] = batch_len) 
     return time.perf_counter() - t0, n
 
 
+TOUCH_STRIDE = 64  # one byte per cache line: every line of the payload is read from memory
+_touched = [0, 0]  # [payload bytes seen, running checksum] (the sum keeps the reads from being skipped)
+
+
+def _touch(v: Any) -> int:
+    """Read every cache line of ``v``'s payload (strided uint8 sum); returns its size in bytes."""
+    import numpy as np
+
+    if hasattr(v, "numpy") and not isinstance(v, np.ndarray):  # torch tensor: zero-copy view
+        v = v.numpy()
+    if isinstance(v, np.ndarray):
+        if v.dtype == object:
+            return sum(_touch(x) for x in v.reshape(-1))
+        flat = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+        _touched[1] += int(flat[::TOUCH_STRIDE].sum())
+        return flat.nbytes
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        flat = np.frombuffer(v, dtype=np.uint8)
+        _touched[1] += int(flat[::TOUCH_STRIDE].sum())
+        return flat.nbytes
+    if isinstance(v, (list, tuple)):
+        return sum(_touch(x) for x in v)
+    if isinstance(v, dict):
+        return sum(_touch(x) for k, x in v.items()
+                   if not (isinstance(k, str) and (k.startswith("__") or k.endswith(".offsets"))))
+    return 0  # str keys, ints, None
+
+
+def touch_count(batch: Any) -> int:
+    """The consumer every loader row uses: read the payload of every sample in ``batch`` (one
+    byte per 64, so every cache line), then count its samples. Whatever the batch's shape
+    (contiguous uint8 + offsets, list of ``bytes``, stacked tensors), the same bytes are read."""
+    _touched[0] += _touch(batch)
+    return batch_len(batch)
+
+
+def touched_bytes(reset: bool = False) -> int:
+    n = _touched[0]
+    if reset:
+        _touched[0] = 0
+    return n
+
+
 def row(name: str, group: str, tool: str, *, samples: int = 0, seconds: float = 0.0, nbytes: int = 0,
         status: str = "ok", reason: str = "", kind: str = "loader", **extra: Any) -> dict[str, Any]:
     """One result row with derived rates. ``kind``: loader, ceiling or pack."""
@@ -239,14 +282,15 @@ def write_chart(path: Path, rows: list[dict[str, Any]], title: str, ratios: dict
     panels = [(g, [r for r in rows if r["group"] == g and r.get("kind") != "pack"]) for g in groups]
     panels = [(g, rs) for g, rs in panels if rs] or [("none", [])]
     heights = [max(1.2, 0.34 * len(rs) + 0.9) for _, rs in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, sum(heights) + 1.1),
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, sum(heights) + 1.35),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     red, blue, grey = "#d62728", "#1f77b4", "#8c8c8c"
     for ax, (group, rs) in zip(axes[:, 0], panels):
         vals = [r.get("samples_per_s") or 0.0 for r in rs]
         loaders = [v for r, v in zip(rs, vals) if r.get("kind") != "ceiling"]
         top = max(loaders or vals or [1.0]) or 1.0
-        xmax = top * 1.45
+        ceils = [v for r, v in zip(rs, vals) if r.get("kind") == "ceiling" and v <= top * 2.5]
+        xmax = max([top * 1.45] + [c * 1.3 for c in ceils])  # a near ceiling is drawn to scale
         ys = list(range(len(rs)))[::-1]
         for y, r, v in zip(ys, rs, vals):
             ceiling = r.get("kind") == "ceiling"
@@ -277,7 +321,7 @@ def write_chart(path: Path, rows: list[dict[str, Any]], title: str, ratios: dict
                         Patch(color=grey, label="ceiling (same bytes, no loader)")],
                loc="upper right", fontsize=8, ncol=3, frameon=False, bbox_to_anchor=(0.99, 0.985))
     fig.suptitle(title, fontsize=10, x=0.01, ha="left", y=0.995)
-    fig.subplots_adjust(left=0.34, right=0.98, top=1 - 0.75 / (sum(heights) + 1.1), bottom=0.5 / (sum(heights) + 1.1),
+    fig.subplots_adjust(left=0.34, right=0.98, top=1 - 1.0 / (sum(heights) + 1.1), bottom=0.5 / (sum(heights) + 1.1),
                         hspace=0.55)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)

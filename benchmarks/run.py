@@ -37,7 +37,9 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
               ("local files, open+read per file", "warm", "loader"),
               ("local files, cv2.imread + crop per file", "decoded", "loader")],
     "shardkit_peer": [("shardkit pack (local engine)", "pack", "pack")] + [
-        (f"shardkit {m}, {g}", g, "loader") for m in ("per-sample dicts", "in-worker batches") for g in GROUPS],
+        (f"shardkit {m}, {g}", g, "loader") for m in ("per-sample dicts", "in-worker batches (map handoff)",
+                                                     "in-worker batches (copy handoff)") for g in ("cold", "warm")] + [
+        (f"shardkit {m}, decoded", "decoded", "loader") for m in ("per-sample dicts", "in-worker batches")],
     "ceilings": [("ceiling: S3 ranged GET x8 threads, same shards", "cold", "ceiling"),
                  ("ceiling: cat cached shard files (8 MB reads)", "warm", "ceiling")],
     "wds_peer": [("webdataset ShardWriter + upload", "pack", "pack"),

@@ -64,17 +64,27 @@ def cat(cache_dir: str, n: int) -> dict[str, Any]:
     if not files:
         raise FileNotFoundError(f"no cached shard files under {cache_dir}")
     buf = memoryview(bytearray(CHUNK))
-    total = 0
-    t0 = time.perf_counter()
-    for p in files:
-        with open(p, "rb", buffering=0) as f:
-            while True:
-                k = f.readinto(buf)
-                if not k:
-                    break
-                total += k
+
+    def one_pass() -> tuple[float, int]:
+        total = 0
+        t0 = time.perf_counter()
+        for p in files:
+            with open(p, "rb", buffering=0) as f:
+                while True:
+                    k = f.readinto(buf)
+                    if not k:
+                        break
+                    total += k
+        return time.perf_counter() - t0, total
+
+    # The warm loader rows read files their own previous epoch just pulled into the page cache;
+    # this cache was filled minutes earlier and may have been evicted since, so the first pass
+    # (reported as first_pass_*) warms the page cache and the second is the ceiling.
+    first_s, first_total = one_pass()
+    seconds, total = one_pass()
     return row("ceiling: cat cached shard files (8 MB reads)", "warm", TOOL, kind="ceiling", samples=n,
-               seconds=time.perf_counter() - t0, nbytes=total)
+               seconds=seconds, nbytes=total, first_pass_seconds=round(first_s, 3),
+               first_pass_mb_per_s=round(first_total / first_s / 1e6, 1))
 
 
 def main() -> None:

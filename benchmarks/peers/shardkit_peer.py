@@ -1,9 +1,10 @@
 """shardkit rows: pack to S3, then StreamingDataset through a DataLoader.
 
-Per-sample mode (one dict per sample, DataLoader batches with shardkit's collate) and
-in-worker batching (``batch_size=256`` + ``DataLoader(batch_size=None)``), each cold (empty
-node cache, shards from S3) then warm (second epoch from the cache), and decoded
-(``CenterCrop(224)``, warm cache).
+Per-sample mode (one dict per sample, torch DataLoader batches with shardkit's collate) and
+in-worker batching (``batch_size=256`` + ``shardkit.StreamingDataLoader``, once with the map
+handoff and once with ``handoff="copy"``), each cold (empty node cache, shards from S3) then
+warm (second epoch from the cache), and decoded (``CenterCrop(224)``, warm cache).
+Every row's consumer reads every payload byte it receives (``benchmarks.common.touch_count``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.common import failed_row, row  # noqa: E402
-from benchmarks.peers._base import epoch_row, finish, guarded, load_config, loader  # noqa: E402
+from benchmarks.peers._base import WORKERS, epoch_row, finish, guarded, load_config, loader  # noqa: E402
 
 TOOL = "shardkit"
 
@@ -24,19 +25,6 @@ TOOL = "shardkit"
 def storage_options() -> dict[str, Any]:
     return {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
             "client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}
-
-
-def reopen_storage(_worker: int) -> None:
-    """Workaround: a forked DataLoader worker inherits the parent's s3fs client, which refuses
-    to run after fork ("This class is not fork-safe"); drop it so the worker opens its own."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    store = getattr(getattr(info.dataset, "ds", None), "store", None) if info else None
-    if store is not None and getattr(store, "_fs", None) is not None:
-        store._fs = None
-        if hasattr(store, "_boto3"):
-            store._boto3 = None
 
 
 def main() -> None:
@@ -62,27 +50,42 @@ def main() -> None:
         return shardkit.StreamingDataset(url, cache_dir=cache, cache_limit="50GB", shuffle=False, decode=decode,
                                          batch_size=256 if batched else None, storage_options=opts)
 
-    def make(ds: Any, batched: bool) -> Any:
-        if batched:
-            return lambda: loader(ds, batch_size=None, worker_init_fn=reopen_storage)
-        return lambda: loader(ds, collate_fn=collate, worker_init_fn=reopen_storage)
+    def per_sample(ds: Any) -> Any:
+        return lambda: loader(ds, collate_fn=collate, persistent_workers=False)
 
-    for batched, label in ((False, "per-sample dicts"), (True, "in-worker batches")):
-        cache = os.path.join(work, "cache-batched" if batched else "cache")
+    def batches(ds: Any, handoff: str) -> Any:
+        # In-worker batches go through shardkit.StreamingDataLoader (what its docs use): with a
+        # raw (decode=None) cached stream "auto" picks the map handoff; "copy" forces the old path.
+        return lambda: shardkit.StreamingDataLoader(ds, num_workers=WORKERS, handoff=handoff,
+                                                    persistent_workers=False)
+
+    plans = [("per-sample dicts", None, "cache"),
+             ("in-worker batches (map handoff)", "map", "cache-map"),
+             ("in-worker batches (copy handoff)", "copy", "cache-copy")]
+    for label, handoff, cache_name in plans:
+        cache = os.path.join(work, cache_name)
         shutil.rmtree(cache, ignore_errors=True)
-        names = [(f"shardkit {label}, cold", "cold"), (f"shardkit {label}, warm", "warm"),
-                 (f"shardkit {label}, decoded", "decoded")]
+        names = [(f"shardkit {label}, cold", "cold"), (f"shardkit {label}, warm", "warm")]
         if packed["status"] != "ok":
             rows.extend(failed_row(nm, g, TOOL, "pack failed") for nm, g in names)
             continue
-        ds = stream(cache, batched)
-        for nm, g in names[:2]:
-            guarded(rows, nm, g, TOOL, lambda nm=nm, g=g: epoch_row(nm, g, TOOL, make(ds, batched), nbytes, n,
-                                                                    batched=batched))
-        nm, g = names[2]
-        guarded(rows, nm, g, TOOL,
-                lambda nm=nm, g=g: epoch_row(nm, g, TOOL, make(stream(cache, batched, shardkit.CenterCrop(224)),
-                                                               batched), nbytes, n, batched=batched))
+        ds = stream(cache, handoff is not None)
+        make = per_sample(ds) if handoff is None else batches(ds, handoff)
+        for nm, g in names:
+            guarded(rows, nm, g, TOOL, lambda nm=nm, g=g: epoch_row(nm, g, TOOL, make, nbytes, n,
+                                                                    batched=handoff is not None))
+    # Decoded, from the warm cache: decoded batches always use the copy path (stacked crops).
+    decoded = [("shardkit per-sample dicts, decoded", None), ("shardkit in-worker batches, decoded", "auto")]
+    for nm, handoff in decoded:
+        if packed["status"] != "ok":
+            rows.append(failed_row(nm, "decoded", TOOL, "pack failed"))
+            continue
+        cache = os.path.join(work, "cache-map")
+        ds_fn = (lambda handoff=handoff, cache=cache: stream(cache, handoff is not None, shardkit.CenterCrop(224)))
+        guarded(rows, nm, "decoded", TOOL,
+                lambda nm=nm, handoff=handoff, ds_fn=ds_fn: epoch_row(
+                    nm, "decoded", TOOL, per_sample(ds_fn()) if handoff is None else batches(ds_fn(), handoff),
+                    nbytes, n, batched=handoff is not None))
     finish(rows, ["shardkit", "torch", "pillow", "numpy", "pyarrow", "s3fs"])
 
 
