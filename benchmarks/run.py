@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for g, line in ratio_lines(head).items():
         print(f"headline {g}: {line}")
-    for n in result["notes"]:
+    for n in result["notes"]:  # type: ignore[attr-defined]
         print(f"note: {n}")
     print(f"\nwrote {out / 'latest.json'} and {out / 'latest.png'}")
     return 0

@@ -387,7 +387,7 @@ class ShardCache:
                 else:
                     sink = HashingSink(fd, ref, start)
                     try:
-                        fetch(ref, cast(BinaryIO, sink), start)
+                        cast(Fetch, fetch)(ref, cast(BinaryIO, sink), start)
                     except BaseException:
                         if not sink.overflow:
                             raise  # keep the partial file: the next attempt resumes from its end

@@ -82,7 +82,7 @@ try:
     _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
     _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 except (OSError, AttributeError):  # not glibc: the reservation stays logical only
-    _fallocate = None
+    _fallocate = None  # type: ignore[assignment]
 
 
 def preallocate(fd: int, size: int) -> None:

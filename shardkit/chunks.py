@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import BinaryIO, Iterator
+from typing import IO, Iterator
 
 from .errors import SourceError
 
 CHUNK_BYTES = 8 * 1024 * 1024  # the largest piece a streamed member yields at once
 
 
-def read_exact(fp: BinaryIO, n: int) -> bytes:
+def read_exact(fp: IO[bytes], n: int) -> bytes:
     """Up to ``n`` bytes: fewer only at end of file (short reads are retried)."""
     parts = []
     while n > 0:
@@ -21,7 +21,7 @@ def read_exact(fp: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
-def iter_exact(fp: BinaryIO, size: int, what: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+def iter_exact(fp: IO[bytes], size: int, what: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Exactly ``size`` bytes of ``fp`` in pieces of at most ``chunk`` bytes.
 
     Raises SourceError naming ``what`` if the data ends early (it changed while packing).

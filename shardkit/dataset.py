@@ -288,7 +288,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if pending and not self.drop_last:
             yield _to_torch(collate(pending))
 
-    def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
+    def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[Any]:
         """Raw batches built with numpy from the manifest offsets: one copy of the bytes."""
         size = self.batch_size or 1
         carry: Run | None = None

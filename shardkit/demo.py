@@ -9,7 +9,6 @@ crops, beside the one-file-per-image baseline on the same images.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import time
 from pathlib import Path
@@ -50,10 +49,9 @@ class _FileImages(Dataset):  # type: ignore[type-arg]
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
     from torch.utils.data import DataLoader
 
-    from . import StreamingDataset, pack
+    from . import StreamingDataLoader, StreamingDataset, pack
     from .batching import collate
     from .sampledata import make_image_folder
 
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     def stream(decode: Any) -> Callable[[], Any]:
         ds = StreamingDataset(str(store), cache_dir=str(cache), cache_limit="2GB", shuffle=True, decode=decode,
                               batch_size=bs)
-        return lambda: DataLoader(ds, batch_size=None, num_workers=nw)
+        return lambda: StreamingDataLoader(ds, num_workers=nw)
 
     def files(decode: Any) -> Callable[[], Any]:
         ds = _FileImages(images, decode)
@@ -107,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nraw warm vs one-file-per-image: {results['shardkit raw, warm cache'] / results['files raw (one open per image)']:.1f}x;"
           f" decoded: {results['shardkit decode+crop 224'] / results['files decode+crop 224']:.2f}x"
           " (decode-bound on 2 cores; see benchmarks/RESULTS.md for S3 and peers)")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     return 0
 
 

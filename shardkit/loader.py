@@ -71,7 +71,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._consumed = 0
         for batch in super().__iter__():
             if isinstance(batch, BatchPlan):

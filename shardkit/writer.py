@@ -13,7 +13,7 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import xxhash
 
@@ -128,7 +128,7 @@ class _BackgroundWriter:
 class _HashingSink:
     """Writes to a file while hashing the whole stream and the current sample's span."""
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: Any) -> None:
         self.out = out
         self.pos = 0
         self.file_hash = xxhash.xxh3_128()
@@ -220,7 +220,7 @@ class TarShard:
                 self._file.discard()
                 # s3fs's discard drops the buffer but leaves the file "open": its __del__ would
                 # then flush a None buffer (AttributeError at garbage collection). Mark it closed.
-                self._file.closed = True
+                setattr(self._file, "closed", True)  # noqa: B010 - read-only in the IO stubs
             else:
                 self._file.close()
         except Exception:  # noqa: BLE001 - best effort cleanup while another error propagates

@@ -15,7 +15,7 @@ import os
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Sequence, Union
+from typing import IO, Any, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -72,7 +72,7 @@ def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
     return buf.getvalue()
 
 
-def parse_npy_header(fp: BinaryIO, *, name: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+def parse_npy_header(fp: IO[bytes], *, name: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """Read and validate a ``.npy`` header from ``fp`` (positioned at its start).
 
     Returns ``(dtype, shape, fortran_order, header_len)``; reads only the header.
@@ -172,10 +172,8 @@ class NpySource:
         """(path, relative path) of every input file, sorted by relative path."""
         if len(self.paths) == 1 and os.path.isdir(self.paths[0]):
             root = Path(self.paths[0])
-            files = [
-                p for p in root.rglob("*") if p.suffix in (".npy", ".npz") and p.is_file()
-            ]
-            out = [(str(p), p.relative_to(root).as_posix()) for p in files]
+            files = [f for f in root.rglob("*") if f.suffix in (".npy", ".npz") and f.is_file()]
+            out = [(str(f), f.relative_to(root).as_posix()) for f in files]
             if not out:
                 raise SourceError(f"{root}: no .npy or .npz files found")
         else:
@@ -184,9 +182,9 @@ class NpySource:
                     raise SourceNotFoundError(f"{p}: no such file")
                 if not p.endswith((".npy", ".npz")) or not os.path.isfile(p):
                     raise SourceError(f"{p}: not a .npy or .npz file")
-            root = self._root()
+            base = self._root()
             absolute = [os.path.abspath(p) for p in self.paths]
-            out = [(p, Path(os.path.relpath(p, root)).as_posix()) for p in absolute]
+            out = [(p, Path(os.path.relpath(p, base)).as_posix()) for p in absolute]
         return sorted(out, key=lambda t: t[1])
 
     def list_items(self) -> list[SourceItem]:
