@@ -97,7 +97,6 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._yielded = 0
         self._acc: dict[str, float] = {}
         self._acc_pid = os.getpid()
-        self._ds_pid = os.getpid()
         self._samples_done = 0
         self._live: tuple[ShardSource, Topology] | None = None
         # "copy": workers send filled batches; "map": workers send BatchPlans that the main
@@ -209,17 +208,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         procs = _local_world(topo) * (workers + (1 if self.handoff == "map" else 0))
         return int(self.cache_limit // (biggest * procs) - 1)
 
-    def _dataset_here(self) -> Dataset:
-        # A forked DataLoader worker inherits the parent's open filesystem (s3fs is not
-        # fork-safe): rebuild the Dataset from its picklable state in each new process.
-        if self._ds_pid != os.getpid():
-            import pickle
-
-            self.ds, self._ds_pid = pickle.loads(pickle.dumps(self.ds)), os.getpid()
-        return self.ds
-
     def __iter__(self) -> Iterator[Any]:
-        self._dataset_here()
         topo = current(self.rank, self.world_size)
         epoch, remaining = self._read_control()
         order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -331,7 +320,6 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     def materialize(self, plan: BatchPlan, pin: bool = False) -> dict[str, Any]:
         """Fill a batch plan sent by a worker (map handoff), in this (the main) process."""
         if self._main_source is None:
-            self._dataset_here()
             self._main_source = self._open_source(current(self.rank, self.world_size))
         source = self._main_source
         # Keep shards mapped across batches (re-mapping a shard per batch page-faults every

@@ -91,12 +91,6 @@ def choose_transport(store: Store, transport: Transport = "auto") -> str:
 # --------------------------------------------------------------------------- one part
 
 
-def _bucket_key(store: Store, rel: str) -> tuple[str, str]:
-    full = store.url_of(rel).split("://", 1)[1]
-    bucket, _, key = full.partition("/")
-    return bucket, key
-
-
 class _Part:
     """Bytes ``[pos, end)`` of the object, landing in ``view[pos - base:end - base]``."""
 
@@ -246,7 +240,7 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
         return
     kind = choose_transport(store, transport)
     if kind == "boto3":
-        bucket, key = _bucket_key(store, path)
+        bucket, key = store.bucket_key(path)
         extra = (boto_settings(store.storage_options) or {}).get("get_extra") or {}
         read = _boto_reader(s3_client(store.storage_options, max_pool=concurrency), bucket, key, extra)
     else:

@@ -61,7 +61,6 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed, self.epoch = bool(shuffle), int(seed), int(epoch)
         self.prefetch, self.rank, self.world_size = prefetch, rank, world_size
-        self._pid = os.getpid()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -76,10 +75,6 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         return [int(s) for s in order.shard_order[me::readers] if self.ds.shard_list[int(s)].num_samples]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._pid != os.getpid():  # forked worker: never reuse the parent's filesystem
-            import pickle
-
-            self.ds, self._pid = pickle.loads(pickle.dumps(self.ds)), os.getpid()
         mine = self.shards()
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds))
         source = ShardSource(self.ds, cache, self.prefetch)
