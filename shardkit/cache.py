@@ -41,7 +41,9 @@ from .cachefs import (
     list_with_stat,
     pid_alive,
     preallocate,
+    stamp_verified,
     unlink_quiet,
+    verified_stamp_ns,
 )
 from .errors import CacheFullError, ConfigError, IntegrityError
 
@@ -54,6 +56,7 @@ _POLL = 0.05
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
 _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 Fetch = Callable[[ShardRef, BinaryIO, int], None]
@@ -105,7 +108,10 @@ class CachedShard:
             raise ValueError(f"shard {self.ref.name} is closed")
         if self._view is None:
             if self.ref.size:
-                self._mmap = mmap.mmap(self._fd, self.ref.size, access=mmap.ACCESS_READ)
+                # MAP_POPULATE maps the (page-cached) file in one call instead of one page
+                # fault per 64 KiB as a reader walks it.
+                self._mmap = mmap.mmap(self._fd, self.ref.size, flags=mmap.MAP_SHARED | _POPULATE,
+                                       prot=mmap.PROT_READ)
             self._view = memoryview(self._mmap if self._mmap is not None else b"")
         return self._view
 
@@ -141,7 +147,9 @@ class ShardCache:
         limit_bytes: bound on everything under ``cache_dir`` (all namespaces), counting
             downloads in flight at their full size.
         namespace: short id of the dataset (e.g. a hash of URL + ``created``); a subdirectory.
-        verify: check the xxh3 of an already cached shard once per shard per ShardCache.
+        verify: check the xxh3 of a cached shard again unless it is unchanged since it was
+            verified (any process on the node stamps a verified file's mtime; a write to the
+            file changes it). ``False``: trust any cached file of the right size.
         wait_timeout: seconds to wait for readers to unpin space before CacheFullError.
     """
 
@@ -160,7 +168,6 @@ class ShardCache:
                 os.makedirs(os.path.join(self._root, namespace, sub), exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cache_dir {self._root} is not usable: {exc}") from exc
-        self._verified: set[tuple[int, int]] = set()  # (st_dev, st_ino) checked by this cache
         self._mu = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
                                      "corrupt_refetches", "prefetched", "prefetch_skipped"), 0.0)
@@ -302,7 +309,7 @@ class ShardCache:
                 continue
             for e, st in list_with_stat(ns.path):
                 if not e.is_dir(follow_symlinks=False):
-                    out.append(CacheEntry(e.path, ns.name, e.name, st.st_size, st.st_mtime_ns, False))
+                    out.append(CacheEntry(e.path, ns.name, e.name, st.st_size, st.st_atime_ns, False))
             for t, st in list_with_stat(os.path.join(ns.path, ".tmp")):
                 m = _TEMP.match(t.name)
                 file, size, pid = (m["file"], int(m["size"]), int(m["pid"])) if m else (t.name, 0, 0)
@@ -319,11 +326,9 @@ class ShardCache:
             return "missing", None
         try:
             st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            if st.st_size == ref.size and (not self._verify or key in self._verified
+            if st.st_size == ref.size and (not self._verify or st.st_mtime_ns == verified_stamp_ns(ref.checksum)
                                            or hash_fd(fd, ref.size) == ref.checksum.lower()):
-                self._verified.add(key)
-                os.utime(fd)  # last access, for LRU eviction
+                stamp_verified(fd, ref.checksum)
                 return "ok", fd
         except BaseException:
             os.close(fd)
@@ -395,10 +400,9 @@ class ShardCache:
                         self._add("bytes_fetched", sink.pos - start)
                     ok, pos, digest = sink.ok(), sink.pos, sink.digest()
                 if ok:
+                    stamp_verified(fd, ref.checksum)
                     with self._global():
                         os.replace(tmp, self._final(file))
-                    st = os.fstat(fd)
-                    self._verified.add((st.st_dev, st.st_ino))
                     return True
             finally:
                 os.close(fd)
@@ -506,11 +510,11 @@ class ShardCache:
         for e in entries:
             nxt = uses.get(e.file) if e.ns == self._ns else None
             if e.temp:
-                ranked.append(((0, e.mtime), e))
+                ranked.append(((0, e.last_use), e))
             elif prefetch is not None and e.ns == self._ns and e.file in prefetch:
                 continue
             elif nxt is None:
-                ranked.append(((1, e.mtime), e))
+                ranked.append(((1, e.last_use), e))
             elif prefetch is None or (mine is not None and nxt > mine):
                 ranked.append(((2, -nxt), e))
         ranked.sort(key=lambda r: r[0])

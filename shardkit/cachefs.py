@@ -8,6 +8,7 @@ import fcntl
 import io
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from typing import ClassVar, cast
 from urllib.parse import quote
@@ -151,7 +152,7 @@ class CacheEntry:
     ns: str
     file: str
     size: int  # st_size of a shard; the full reservation of a temp file
-    mtime: int
+    last_use: int  # ns: a shard's atime (set on every open), a temp file's mtime
     temp: bool
     pid: int = 0
 
@@ -198,3 +199,28 @@ def hash_fd(fd: int, size: int) -> str:
         return xxhash.xxh3_128_hexdigest(b"")
     with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
         return xxhash.xxh3_128_hexdigest(m)
+
+
+_STAMP_BASE_S = 1_000_000_000  # 2001-09-09: no real write to a cached file gets an mtime there
+
+
+def verified_stamp_ns(checksum: str) -> int:
+    """The mtime the cache gives a shard file once its bytes matched ``checksum``.
+
+    Any later write to the file sets its mtime to the current time, so "mtime equals the
+    stamp" means "unchanged since verified", for every process on the node: a warm epoch
+    does not hash every shard again. Whole seconds, so coarse-timestamp file systems keep it.
+    """
+    try:
+        spread = int(checksum[:8], 16)
+    except ValueError:
+        spread = 0
+    return (_STAMP_BASE_S + spread % 31_536_000) * 1_000_000_000
+
+
+def stamp_verified(fd: int, checksum: str) -> None:
+    """Mark the file as verified (mtime = stamp) and used now (atime: the LRU clock)."""
+    try:
+        os.utime(fd, ns=(time.time_ns(), verified_stamp_ns(checksum)))
+    except OSError:  # not the file's owner: it is simply verified again next time
+        pass

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .batching import collate
+from .bufpool import BufferPool
 from .cache import ShardCache
 from .codecs import make_decoder
 from .config import parse_size
@@ -104,6 +105,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.handoff = "copy"
         self.loader_workers = 0  # the DataLoader's num_workers, when StreamingDataLoader knows it
         self._main_source: ShardSource | None = None
+        self._pool: BufferPool | None = None  # the main process's batch buffers (map handoff)
         self._next_stats = 0.0
         self._write_control()
 
@@ -112,6 +114,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         state = dict(self.__dict__)
         state["_live"] = None
         state["_main_source"] = None
+        state["_pool"] = None
         return state
 
     # ---- epoch and resume state -----------------------------------------------------------
@@ -326,7 +329,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # byte again). The map handoff only runs when every process's pins fit the cache with
         # room to spare, so a shard evicted after its worker moved on can always come back.
         window = [(s, mine) for s, (_, mine) in plan.members.items()] + [(s, _NONE) for s in source.held()]
-        return _to_torch(fill(source, plan, window, self.verify, pin=pin))
+        if self._pool is None or self._pool.pin != pin:
+            self._pool = BufferPool(pin=pin)
+        return _to_torch(fill(source, plan, window, self.verify, self._pool))
 
     def map_handoff_fits(self) -> bool:
         """Whether the cache has room for the map handoff's extra pins (see materialize)."""

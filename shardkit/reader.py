@@ -7,6 +7,7 @@ dataset opens in about the time of two small GETs on every rank.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -38,43 +39,49 @@ class ShardInfo:
     samples_row_group: int
 
 
-@dataclass(frozen=True)
 class ShardRows:
-    """The manifest rows of one shard as numpy columns (cheap to slice per sample)."""
+    """The manifest rows of one shard as numpy columns (cheap to slice per sample).
 
-    keys: list[str]
-    offset: np.ndarray
-    size: np.ndarray
-    checksum: np.ndarray
-    field_names: list[list[str]]
-    field_offset: list[np.ndarray]
-    field_size: list[np.ndarray]
-    table: pa.Table
+    The per-sample Python lists (keys, field names/offsets/sizes) are built on first use:
+    the batched reader slices whole shards with numpy and never needs them.
+    """
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.offset: np.ndarray = table.column("offset").to_numpy()
+        self.size: np.ndarray = table.column("size").to_numpy()
+        self.checksum: np.ndarray = table.column("checksum").to_numpy()
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return self.table.num_rows
 
+    @functools.cached_property
+    def keys(self) -> list[str]:
+        return self.table.column("key").to_pylist()
 
-def rows_from_table(table: pa.Table) -> ShardRows:
-    fields = table.column("fields").combine_chunks()
-    flat = fields.flatten()
-    names = flat.field("name").to_pylist()
-    offs = flat.field("offset").to_numpy()
-    sizes = flat.field("size").to_numpy()
-    bounds = fields.offsets.to_numpy()
-    field_names = [names[bounds[i]:bounds[i + 1]] for i in range(len(table))]
-    field_offset = [offs[bounds[i]:bounds[i + 1]] for i in range(len(table))]
-    field_size = [sizes[bounds[i]:bounds[i + 1]] for i in range(len(table))]
-    return ShardRows(
-        keys=table.column("key").to_pylist(),
-        offset=table.column("offset").to_numpy(),
-        size=table.column("size").to_numpy(),
-        checksum=table.column("checksum").to_numpy(),
-        field_names=field_names,
-        field_offset=field_offset,
-        field_size=field_size,
-        table=table,
-    )
+    @functools.cached_property
+    def _fields(self) -> tuple[list[list[str]], list[np.ndarray], list[np.ndarray]]:
+        fields = self.table.column("fields").combine_chunks()
+        flat = fields.flatten()
+        names = flat.field("name").to_pylist()
+        offs = flat.field("offset").to_numpy()
+        sizes = flat.field("size").to_numpy()
+        b = fields.offsets.to_numpy().tolist()
+        n = len(self)
+        return ([names[b[i]:b[i + 1]] for i in range(n)], [offs[b[i]:b[i + 1]] for i in range(n)],
+                [sizes[b[i]:b[i + 1]] for i in range(n)])
+
+    @property
+    def field_names(self) -> list[list[str]]:
+        return self._fields[0]
+
+    @property
+    def field_offset(self) -> list[np.ndarray]:
+        return self._fields[1]
+
+    @property
+    def field_size(self) -> list[np.ndarray]:
+        return self._fields[2]
 
 
 class Dataset:
@@ -163,7 +170,7 @@ class Dataset:
         return table
 
     def shard_rows(self, shard: int) -> ShardRows:
-        return rows_from_table(self.shard_samples(shard))
+        return ShardRows(self.shard_samples(shard))
 
     def _empty_rows(self) -> pa.Table:
         for info in self.shard_list:

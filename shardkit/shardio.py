@@ -66,13 +66,13 @@ def field_layout(rows: ShardRows) -> FieldLayout | None:
     n = len(rows)
     if n == 0:
         return None
-    names = tuple(rows.field_names[0])
-    nf = len(names)
     fields = rows.table.column("fields").combine_chunks()
     bounds = fields.offsets.to_numpy()
+    nf = int(bounds[1] - bounds[0])
     if nf == 0 or not bool(np.all(np.diff(bounds) == nf)):
         return None
     flat = fields.flatten()
+    names = tuple(flat.field("name").slice(int(bounds[0]), nf).to_pylist())
     all_names = np.asarray(flat.field("name").to_numpy(zero_copy_only=False), dtype=object).reshape(n, nf)
     if not bool(np.all(all_names == np.asarray(names, dtype=object)[None, :])):
         return None
@@ -196,9 +196,8 @@ class ShardSource:
     def get(self, shard: int, positions: np.ndarray, window: Sequence[Run]) -> Held:
         """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it."""
         held = self._held.get(shard)
-        rows = self.rows(shard)
         if held is not None and self.cache is None:
-            lo, hi = self._span(rows, positions)
+            lo, hi = self._span(self.rows(shard), positions)
             if lo < held.base or hi > held.end:
                 self._drop(shard)
                 held = None
@@ -212,7 +211,7 @@ class ShardSource:
             held = Held(view, np.frombuffer(view, np.uint8) if len(view) else np.zeros(0, np.uint8),
                         0, len(view), False, handle)
         else:
-            held = self._direct(shard, rows, positions, window)
+            held = self._direct(shard, self.rows(shard), positions, window)
         self.wait_seconds += time.perf_counter() - t0
         self._held[shard] = held
         if self.cache is None:

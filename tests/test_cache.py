@@ -477,3 +477,27 @@ def test_corrupt_cached_shard_detected_in_new_process(tmp_path: Path) -> None:
     assert ok and stats["corrupt_refetches"] == 1 and stats["misses"] == 1
     assert [c[0] for c in s.remote.calls()] == [ref.name] * 2
     assert s.final(ref).read_bytes() == s.remote.data(ref.name)
+
+
+def test_verified_shard_is_not_hashed_again_by_a_new_cache_until_it_changes(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardkit.cache as cache_mod
+
+    s = make_store(tmp_path, [1 * MB])
+    ref = s.refs[0]
+    with s.cache(10 * MB) as cache:
+        assert read_ok(cache, ref, s.remote, s.remote)
+    hashed: list[int] = []
+    real = cache_mod.hash_fd
+    monkeypatch.setattr(cache_mod, "hash_fd", lambda fd, size: hashed.append(size) or real(fd, size))
+    with s.cache(10 * MB) as cache:  # a new cache (as in a new DataLoader worker): stamp trusted
+        assert read_ok(cache, ref, s.remote, s.remote)
+        assert hashed == [] and cache.stats()["hits"] == 1
+    with open(s.final(ref), "r+b") as f:  # any write moves the mtime off the stamp
+        first = f.read(1)
+        f.seek(0)
+        f.write(first)
+    with s.cache(10 * MB) as cache:
+        assert read_ok(cache, ref, s.remote, s.remote)
+        assert hashed == [ref.size] and cache.stats()["corrupt_refetches"] == 0
+    assert len(s.remote.calls()) == 1  # the rewrite kept the bytes: verified again, not fetched

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from shardkit.cache import ShardCache, ShardRef, is_positional, positional
+from shardkit.cache import ShardRef, is_positional, positional
 from shardkit.errors import IntegrityError
 from test_cache import MB, NS, Store, UsageSampler, make_store, wait_for
 

@@ -239,7 +239,6 @@ def test_pack_300mb_samples_bounded_memory(tmp_path, s3_server, s3_bucket):
     100 MB in all. A 300 MB sample held whole anywhere would blow through it.
     """
     h5py = pytest.importorskip("h5py")
-    import json
     import os
     import subprocess
     import sys

@@ -267,7 +267,7 @@ def test_hdf5_unsupported_dtype(tmp_path, make):
         else:
             f["target"] = np.zeros(2)
             f.create_dataset("weird", (1,), dtype=h5py.ref_dtype)
-    with pytest.raises(SourceError, match=rf"odd\.h5::/weird"):
+    with pytest.raises(SourceError, match=r"odd\.h5::/weird"):
         Hdf5Source(path).list_items()
 
 

@@ -3,7 +3,6 @@ on local and SeaweedFS S3 datasets packed with shardkit.pack."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
