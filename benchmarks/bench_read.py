@@ -29,7 +29,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=3000)
     args = ap.parse_args()
-    import numpy as np
     from torch.utils.data import DataLoader, Dataset
 
     import shardkit
@@ -81,7 +80,7 @@ def main() -> None:
 
         def stream(handoff: str | None, cache: Path) -> tuple[float, int]:
             # Batched rows: StreamingDataset(batch_size=256) + shardkit.StreamingDataLoader
-            # (handoff "map" = plans through the pipe, bytes copied from the cache in this process;
+            # (handoff "ring" = workers fill shared memory, only descriptors through the pipe;
             # "copy" = filled batches through the pipe). Per-sample row: torch DataLoader with
             # shardkit's collate, batch 256. Every row reads every payload byte it gets.
             sd = StreamingDataset(url, cache_dir=cache, batch_size=256 if handoff else None, shuffle=False)
@@ -93,13 +92,13 @@ def main() -> None:
             assert seen >= total_bytes, f"consumer read {seen} bytes, expected >= {total_bytes}"
             return sec, n
 
-        for handoff, label in (("map", "batched (map handoff)"), ("copy", "batched (copy)"), (None, "raw per-sample")):
+        for handoff, label in (("ring", "batched (ring handoff)"), ("copy", "batched (copy)"), (None, "raw per-sample")):
             cache = work / f"cache-{handoff}"
             sec, n = stream(handoff, cache)
             rec(f"shardkit cold {label}", sec, n, sbytes)
             sec, n = stream(handoff, cache)
             rec(f"shardkit warm {label}", sec, n, sbytes)
-        cached = [str(p) for p in (work / "cache-map").rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+        cached = [str(p) for p in (work / "cache-ring").rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
         t0 = time.perf_counter()
         subprocess.run(["cat", *cached], stdout=subprocess.DEVNULL, check=True)
         rec("ceiling: cat cached shards", time.perf_counter() - t0, ds.num_samples, sbytes)
@@ -140,14 +139,14 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     r = {k: v["MB_per_s"] for k, v in out.items()}
     ratios = {
-        "cold map / GET ceiling": r["shardkit cold batched (map handoff)"] / r["ceiling: S3 ranged GET x8"],
+        "cold ring / GET ceiling": r["shardkit cold batched (ring handoff)"] / r["ceiling: S3 ranged GET x8"],
         "cold copy / GET ceiling": r["shardkit cold batched (copy)"] / r["ceiling: S3 ranged GET x8"],
-        "warm map / cat": r["shardkit warm batched (map handoff)"] / r["ceiling: cat cached shards"],
+        "warm ring / cat": r["shardkit warm batched (ring handoff)"] / r["ceiling: cat cached shards"],
         "warm copy / cat": r["shardkit warm batched (copy)"] / r["ceiling: cat cached shards"],
         "warm per-sample / cat": r["shardkit warm raw per-sample"] / r["ceiling: cat cached shards"],
-        "warm map / per-object": r["shardkit warm batched (map handoff)"] / r["baseline: get_object per image"],
-        "cold map / per-object": r["shardkit cold batched (map handoff)"] / r["baseline: get_object per image"],
-        "warm map / cv2.imread": r["shardkit warm batched (map handoff)"] / r["baseline: cv2.imread per file"],
+        "warm ring / per-object": r["shardkit warm batched (ring handoff)"] / r["baseline: get_object per image"],
+        "cold ring / per-object": r["shardkit cold batched (ring handoff)"] / r["baseline: get_object per image"],
+        "warm ring / cv2.imread": r["shardkit warm batched (ring handoff)"] / r["baseline: cv2.imread per file"],
     }
     for k, v in ratios.items():
         print(f"{k:40s} {v:8.2f}x")

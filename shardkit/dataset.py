@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .batching import collate
-from .bufpool import BufferPool
 from .cache import ShardCache
 from .codecs import make_decoder
 from .config import parse_size
@@ -31,7 +30,8 @@ from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
 from .reader import Dataset, sample_dict
-from .rawbatch import BatchPlan, fill, plan_batch
+from .rawbatch import field_bytes, fill, plan_batch
+from .ring import BatchRing, RingBatch
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
 
@@ -100,21 +100,20 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._acc_pid = os.getpid()
         self._samples_done = 0
         self._live: tuple[ShardSource, Topology] | None = None
-        # "copy": workers send filled batches; "map": workers send BatchPlans that the main
-        # process fills from the cache (set by StreamingDataLoader when it applies).
-        self.handoff = "copy"
+        # Set by StreamingDataLoader before it forks its workers: raw batches are then written
+        # into this shared ring and only small descriptors cross the worker pipe.
+        self.ring: BatchRing | None = None
         self.loader_workers = 0  # the DataLoader's num_workers, when StreamingDataLoader knows it
-        self._main_source: ShardSource | None = None
-        self._pool: BufferPool | None = None  # the main process's batch buffers (map handoff)
+        self._worker = 0
+        self._tight = False
         self._next_stats = 0.0
         self._write_control()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Open sources (the worker's live one, the main process's for the map handoff) stay home.
+        # The worker's open source stays home; the ring only reaches forked workers.
         state = dict(self.__dict__)
         state["_live"] = None
-        state["_main_source"] = None
-        state["_pool"] = None
+        state["ring"] = None
         return state
 
     # ---- epoch and resume state -----------------------------------------------------------
@@ -203,12 +202,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         return ShardSource(self.ds, cache, self.prefetch, max_open=max(1, min(window, self._pin_budget(topo))))
 
     def _pin_budget(self, topo: Topology) -> int:
-        """Shards one process may keep open. Every process on the node pins what it holds
-        (workers, and the main processes with the map handoff); with a small cache_limit a
-        process holds one shard at a time, so that pins alone can never fill the cache."""
+        """Shards one process may keep open. Every reading process on the node pins what it
+        holds; with a small cache_limit a process holds one shard at a time, so that pins
+        alone can never fill the cache."""
         biggest = max((i.bytes for i in self.ds.shard_list), default=1) or 1
-        workers = self.loader_workers or topo.num_workers
-        procs = _local_world(topo) * (workers + (1 if self.handoff == "map" else 0))
+        procs = _local_world(topo) * (self.loader_workers or topo.num_workers)
         return int(self.cache_limit // (biggest * procs) - 1)
 
     def __iter__(self) -> Iterator[Any]:
@@ -225,6 +223,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             self._acc, self._acc_pid = {}, os.getpid()
         source = self._open_source(topo)
         self._live = (source, topo)
+        self._worker = topo.worker
+        # A DataLoader worker waits, between batches, until the loader asks for more; in a
+        # cache too small for every reader to keep a shard, pins held while waiting could
+        # stall the other readers for good (a worker of another rank, or this worker's
+        # sibling the loader is waiting for). Then shards are unpinned at every batch end.
+        self._tight = self.cache_dir is not None and self._pin_budget(topo) < 1
         self._next_stats = time.monotonic() + _STATS_EVERY
         try:
             sched = schedule_shards(order, ranges)
@@ -243,8 +247,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     yield b
         finally:
             self._live = None
+            source.close()  # first: it waits for a prefetch in flight, which the final stats count
             self._save_stats(source, topo, final=True)
-            source.close()
 
     def _tick(self, source: ShardSource, samples: int) -> None:
         self._samples_done += samples
@@ -258,15 +262,26 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         decoder = make_decoder(self.decode if self.batch_size is None else (self.decode or "raw"))
         first_sample = self.ds.shards.column("first_sample").to_numpy()
         infos = self.ds.shard_list
+        chunk, tight, n = max(1, self.chunk), self._tight, 0
         while (run := runs.pop()) is not None:
             shard, positions = run
             rows = source.rows(shard)
-            held = source.get(shard, positions, runs.buf)
-            view, base, check = held.view, held.base, held.verify and self.verify
             first, path = int(first_sample[shard]), infos[shard].path
-            for p in positions.tolist():
-                yield decoder(sample_dict(view, base, rows, p, first + p, path, verify=check))
-            del view
+            todo = positions.tolist()
+            i = 0
+            while i < len(todo):
+                held = source.get(shard, positions[i:], runs.buf)
+                view, base, check = held.view, held.base, held.verify and self.verify
+                stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
+                for p in todo[i:stop]:
+                    sample = decoder(sample_dict(view, base, rows, p, first + p, path, verify=check))
+                    n += 1
+                    if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
+                        sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+                        del view
+                        source.release_all()
+                    yield sample
+                i = stop
             self._tick(source, len(positions))
 
     def _decoded_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
@@ -305,43 +320,33 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             if n == 0 or (n < size and self.drop_last):
                 return
             built = self._build(source, pieces, carry, runs)
-            yield built if isinstance(built, BatchPlan) else _to_torch(built)
+            if self._tight:  # the worker may now wait on the DataLoader
+                source.release_all()
+            yield built if isinstance(built, RingBatch) else _to_torch(built)
             self._tick(source, n)
 
     def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> Any:
-        """One raw batch; with the map handoff, its plan (the main process copies the bytes)."""
+        """One raw batch: a dict of arrays, or (in a worker with a ring) a RingBatch."""
         plan = plan_batch(source, pieces, self.ds.shards.column("first_sample").to_numpy())
         if plan is None:
             return self._build_slow(source, pieces, carry, runs)  # ragged fields: per-sample collate
         window = _Later(pieces, 0, carry, runs)  # the whole batch stays pinned while it is built
-        if self.handoff == "map" and source.cache is not None and not _in_main_process():
-            for s, (_, mine) in plan.members.items():
-                source.get(s, mine, window)  # downloaded and verified before the plan leaves
-            return plan
+        ring = self.ring
+        if ring is not None and not _in_main_process():
+            sizes = field_bytes(plan)
+            slot = ring.acquire(self._worker)
+            outs = ring.fields(slot, sizes) if slot is not None else None
+            if slot is not None and outs is None:
+                ring.release(slot)  # an unusually large batch: send it the ordinary way
+            if slot is not None and outs is not None:
+                try:
+                    batch = fill(source, plan, window, self.verify, outs)
+                except BaseException:
+                    ring.release(slot)
+                    raise
+                return ring.batch(slot, sizes, list(plan.names),
+                                  {k: (None if k in plan.names else v) for k, v in batch.items()})
         return fill(source, plan, window, self.verify)
-
-    def materialize(self, plan: BatchPlan, pin: bool = False) -> dict[str, Any]:
-        """Fill a batch plan sent by a worker (map handoff), in this (the main) process."""
-        if self._main_source is None:
-            self._main_source = self._open_source(current(self.rank, self.world_size))
-        source = self._main_source
-        # Keep shards mapped across batches (re-mapping a shard per batch page-faults every
-        # byte again). The map handoff only runs when every process's pins fit the cache with
-        # room to spare, so a shard evicted after its worker moved on can always come back.
-        window = [(s, mine) for s, (_, mine) in plan.members.items()] + [(s, _NONE) for s in source.held()]
-        if self._pool is None or self._pool.pin != pin:
-            self._pool = BufferPool(pin=pin)
-        return _to_torch(fill(source, plan, window, self.verify, self._pool))
-
-    def map_handoff_fits(self) -> bool:
-        """Whether the cache has room for the map handoff's extra pins (see materialize)."""
-        return self.cache_dir is not None and self._pin_budget(current(self.rank, self.world_size)) >= 1
-
-    def close(self) -> None:
-        """Release what the main process holds for the map handoff (also done at exit)."""
-        if self._main_source is not None:
-            self._main_source.close()
-            self._main_source = None
 
     def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
         first_sample = self.ds.shards.column("first_sample").to_numpy()

@@ -7,13 +7,17 @@ training loop has received in the main process, which is the position a checkpoi
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any, Iterator
 
 from torch.utils.data import DataLoader
 
-from .dataset import StreamingDataset
+from .bufpool import BufferPool
+from .dataset import StreamingDataset, _to_torch
 from .errors import ConfigError
-from .rawbatch import BatchPlan
+from .ring import BatchRing, RingBatch
+
+MAX_RING_SLOT = 256 << 20  # bigger batches (huge samples) are not worth parking in shared memory
 
 
 class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -24,10 +28,11 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         batch_size: samples per batch. When the dataset already batches in its workers
             (``StreamingDataset(batch_size=...)``), leave this ``None``: the DataLoader then
             passes the worker's batches through (``DataLoader(batch_size=None)``).
-        handoff: ``"auto"`` (default) uses the map handoff when the dataset yields raw batches
-            from a node cache through workers: workers send small batch plans and this process
-            copies the bytes from the verified cached shards, so raw bytes never go through
-            the worker pipe. ``"copy"`` always sends filled batches.
+        handoff: ``"auto"`` (default) uses the shared ring when the dataset builds raw
+            batches in forked workers: each worker writes its batches into shared memory made
+            before it forked, and this process reads them there without a copy (only small
+            descriptors go through the worker pipe). ``"ring"`` insists on it; ``"copy"``
+            sends batches through the DataLoader's usual pickling.
         **kwargs: any other DataLoader argument (``num_workers``, ``pin_memory``,
             ``persistent_workers``, ``collate_fn``, ...).
 
@@ -37,8 +42,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, *, handoff: str = "auto",
                  **kwargs: Any) -> None:
-        if handoff not in ("auto", "map", "copy"):
-            raise ConfigError(f"handoff: expected 'auto', 'map' or 'copy', got {handoff!r}")
+        if handoff not in ("auto", "ring", "copy"):
+            raise ConfigError(f"handoff: expected 'auto', 'ring' or 'copy', got {handoff!r}")
         if not isinstance(dataset, StreamingDataset):
             raise ConfigError("StreamingDataLoader needs a shardkit.StreamingDataset")
         if dataset.batch_size is not None:
@@ -51,33 +56,66 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             dataset.chunk = batch_size or 1
         kwargs.setdefault("shuffle", None)  # order comes from the dataset
         super().__init__(dataset, batch_size=batch_size, **kwargs)
-        # Raw batches from a node cache: workers send plans, this process copies from the
-        # cached files (bytes never cross the worker pipe). Decoded data stays in workers.
-        mappable = (dataset.batch_size is not None and dataset.decode is None and dataset.cache_dir is not None
-                    and self.num_workers > 0)
-        if handoff == "map" and not mappable:
-            raise ConfigError("handoff='map' needs StreamingDataset(batch_size=..., decode=None, cache_dir=...) "
-                              "and num_workers > 0")
         dataset.loader_workers = self.num_workers
-        dataset.handoff = "map" if mappable and handoff != "copy" else "copy"
-        if dataset.handoff == "map" and not dataset.map_handoff_fits():
-            # A cache too small for everyone's pins plus a main-process pin could stall: the
-            # main process would wait for space that blocked workers hold. Copy instead.
-            if handoff == "map":
-                raise ConfigError(f"handoff='map': cache_limit {dataset.cache_limit} bytes is too small for the "
-                                  "shards every process pins; raise it or use handoff='copy'")
-            dataset.handoff = "copy"
-        self._pin = bool(self.pin_memory) and _cuda_available()
+        self._ring_bytes = self._ring_slot_bytes(dataset)
+        why_not = self._ring_blocker(dataset)
+        if handoff == "ring" and why_not:
+            raise ConfigError(f"handoff='ring': {why_not}")
+        self._use_ring = handoff != "copy" and not why_not
+        self._ring: BatchRing | None = None
+        self._ring_clean = False  # the last epoch ran to its end: its workers are gone
+        self._pool = BufferPool(pin=True) if bool(self.pin_memory) and _cuda_available() else None
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
 
+    @staticmethod
+    def _ring_slot_bytes(dataset: StreamingDataset) -> int:
+        # Room for a batch half again as large as an average one (pages are only backed by
+        # memory once written); a larger batch goes the ordinary way.
+        ds = dataset.ds
+        mean = ds.info.get("total_bytes", 0) / max(1, ds.num_samples)
+        return int(mean * (dataset.batch_size or 1) * 1.5) + (1 << 20)
+
+    def _ring_blocker(self, dataset: StreamingDataset) -> str:
+        """Why the shared ring cannot be used here ('' if it can)."""
+        if dataset.batch_size is None or dataset.decode is not None:
+            return "needs StreamingDataset(batch_size=..., decode=None) (raw batches built in the workers)"
+        if self.num_workers < 1:
+            return "needs num_workers > 0"
+        ctx = self.multiprocessing_context
+        method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
+        if method != "fork":
+            return f"needs forked workers (multiprocessing start method is {method!r})"
+        if self._ring_bytes > MAX_RING_SLOT:
+            return (f"batches of ~{self._ring_bytes >> 20} MiB exceed the ring's {MAX_RING_SLOT >> 20} MiB slots; "
+                    "use a smaller batch_size")
+        return ""
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._consumed = 0
+        dataset: StreamingDataset = self.dataset  # type: ignore[assignment]
+        forks = self.num_workers > 0 and (self._iterator is None or not self.persistent_workers)
+        if self._use_ring and forks and (self._ring is None or not self._ring_clean):
+            # Made before the workers fork, so they inherit it. Reused across epochs once an
+            # epoch has ended (its workers are gone); slots still held by batches stay busy.
+            self._ring = BatchRing(self.num_workers, (self.prefetch_factor or 2) + 2, self._ring_bytes)
+        dataset.ring = self._ring if self._use_ring else None
+        self._ring_clean = False
         for batch in super().__iter__():
-            if isinstance(batch, BatchPlan):
-                batch = self.dataset.materialize(batch, pin=self._pin)  # type: ignore[attr-defined]
+            if isinstance(batch, RingBatch):
+                batch = self._from_ring(batch)
             self._consumed += _count(batch, self._per_batch)
             yield batch
+        self._ring_clean = not self.persistent_workers
+
+    def _from_ring(self, rb: RingBatch) -> dict[str, Any]:
+        batch = rb.to_dict()
+        if self._pool is not None:  # pin_memory: one copy, into page-locked memory
+            for name in rb.names:
+                pinned = self._pool.take(batch[name].nbytes)
+                pinned[:] = batch[name]
+                batch[name] = pinned
+        return _to_torch(batch)
 
     @property
     def consumed(self) -> int:

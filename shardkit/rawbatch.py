@@ -4,11 +4,8 @@ A batch of raw bytes is, per field, one uint8 array holding every sample's membe
 back plus an int64 ``offsets`` array (n+1 boundaries). :func:`plan_batch` works out where
 every member sits (vectorised per shard); :func:`fill` copies them.
 
-The plan is small and picklable, which allows the *map handoff*: a DataLoader worker
-schedules, downloads and verifies, and sends only the plan; the main process maps the same
-verified cache file and copies the bytes straight into the batch. Raw bytes then never
-cross the worker->main pipe, whose pickling and shared-memory copies cap a DataLoader far
-below the disk's speed (PERF.md).
+With a :class:`shardkit.ring.BatchRing`, a DataLoader worker fills the batch straight into
+shared memory the main process reads without a copy (see ring.py).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from .batching import OFFSETS
-from .bufpool import BufferPool
 from .reader import verify_sample
 
 Run = tuple[int, np.ndarray]
@@ -75,12 +71,17 @@ def plan_batch(source: Any, pieces: Sequence[Run], first_sample: np.ndarray) -> 
     return BatchPlan(keys, pos + first_sample[shard_of], names, members, starts, sizes, offsets)
 
 
+def field_bytes(plan: BatchPlan) -> list[int]:
+    """Bytes of each field of the batch ``plan`` describes."""
+    return [int(plan.offsets[j, -1]) for j in range(len(plan.names))]
+
+
 def fill(source: Any, plan: BatchPlan, window: Sequence[Run], verify: bool,
-         pool: BufferPool | None = None) -> dict[str, Any]:
-    """Copy every member of ``plan`` out of the shards ``source`` holds into one batch dict
-    (into buffers from ``pool`` when given: already mapped, maybe pinned)."""
-    sizes_out = [int(plan.offsets[j, -1]) for j in range(len(plan.names))]
-    outs = [pool.take(n) if pool is not None else np.empty(n, np.uint8) for n in sizes_out]
+         outs: list[np.ndarray] | None = None) -> dict[str, Any]:
+    """Copy every member of ``plan`` out of the shards ``source`` holds into one batch dict,
+    into ``outs`` (one uint8 array per field, of :func:`field_bytes` sizes) when given."""
+    if outs is None:
+        outs = [np.empty(n, np.uint8) for n in field_bytes(plan)]
     infos = source.ds.shard_list
     for s, (idx, mine) in plan.members.items():
         held = source.get(s, mine, window)

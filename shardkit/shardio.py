@@ -218,9 +218,11 @@ class ShardSource:
             self._read_ahead(window)
         return held
 
-    def held(self) -> list[int]:
-        """Shards held open now, oldest first."""
-        return list(self._held)
+    def release_all(self) -> None:
+        """Unpin every held shard (bytes already handed out stay valid: they are copies, or
+        views that keep their mapping alive)."""
+        for shard in list(self._held):
+            self._drop(shard)
 
     def release(self, window: Sequence[Run]) -> None:
         """Close held shards the window no longer needs (and the oldest beyond ``max_open``)."""

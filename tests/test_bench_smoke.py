@@ -23,7 +23,7 @@ EXPECTED_ROWS = {
     "S3 object per image (boto3 get_object)", "local files, open+read per file",
     "local files, cv2.imread + crop per file",
     "shardkit per-sample dicts, cold", "shardkit per-sample dicts, warm", "shardkit per-sample dicts, decoded",
-    "shardkit in-worker batches (map handoff), cold", "shardkit in-worker batches (map handoff), warm",
+    "shardkit in-worker batches (ring handoff), cold", "shardkit in-worker batches (ring handoff), warm",
     "shardkit in-worker batches (copy handoff), cold", "shardkit in-worker batches (copy handoff), warm",
     "shardkit in-worker batches, decoded",
     "ceiling: S3 ranged GET x8 threads, same shards", "ceiling: cat cached shard files (8 MB reads)",

@@ -1,8 +1,8 @@
 """shardkit rows: pack to S3, then StreamingDataset through a DataLoader.
 
 Per-sample mode (one dict per sample, torch DataLoader batches with shardkit's collate) and
-in-worker batching (``batch_size=256`` + ``shardkit.StreamingDataLoader``, once with the map
-handoff and once with ``handoff="copy"``), each cold (empty node cache, shards from S3) then
+in-worker batching (``batch_size=256`` + ``shardkit.StreamingDataLoader``, once with the shared
+ring handoff and once with ``handoff="copy"``), each cold (empty node cache, shards from S3) then
 warm (second epoch from the cache), and decoded (``CenterCrop(224)``, warm cache).
 Every row's consumer reads every payload byte it receives (``benchmarks.common.touch_count``).
 """
@@ -55,12 +55,12 @@ def main() -> None:
 
     def batches(ds: Any, handoff: str) -> Any:
         # In-worker batches go through shardkit.StreamingDataLoader (what its docs use): with a
-        # raw (decode=None) cached stream "auto" picks the map handoff; "copy" forces the old path.
+        # raw (decode=None) stream "auto" picks the shared ring; "copy" forces DataLoader pickling.
         return lambda: shardkit.StreamingDataLoader(ds, num_workers=WORKERS, handoff=handoff,
                                                     persistent_workers=False)
 
     plans = [("per-sample dicts", None, "cache"),
-             ("in-worker batches (map handoff)", "map", "cache-map"),
+             ("in-worker batches (ring handoff)", "ring", "cache-ring"),
              ("in-worker batches (copy handoff)", "copy", "cache-copy")]
     for label, handoff, cache_name in plans:
         cache = os.path.join(work, cache_name)
@@ -80,7 +80,7 @@ def main() -> None:
         if packed["status"] != "ok":
             rows.append(failed_row(nm, "decoded", TOOL, "pack failed"))
             continue
-        cache = os.path.join(work, "cache-map")
+        cache = os.path.join(work, "cache-ring")
         ds_fn = (lambda handoff=handoff, cache=cache: stream(cache, handoff is not None, shardkit.CenterCrop(224)))
         guarded(rows, nm, "decoded", TOOL,
                 lambda nm=nm, handoff=handoff, ds_fn=ds_fn: epoch_row(
