@@ -244,7 +244,7 @@ def test_cold_epoch_through_parallel_ranged_fetch_s3(s3_env: Any, s3_bucket: str
     ds = shardkit.open_dataset(url)
     assert len(ds.shard_list) >= 4
     monkeypatch.setattr(shardio, "FETCH_PART_SIZE", 128 << 10)  # several parts per shard
-    monkeypatch.setattr(shardio, "FETCH_CONCURRENCY", 4)  # the default (1) streams
+    monkeypatch.setattr(shardio, "FETCH_CONCURRENCY", 4)  # more parts at once than the default
 
     reads: list[tuple[str, int, int]] = []
     real = ranged.read_into
