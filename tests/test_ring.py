@@ -124,3 +124,28 @@ def test_ring_slot_arrays_free_the_slot_only_when_all_views_die() -> None:
     gc.collect()
     assert ring.busy() == 0
     assert ring.fields(0, [ring.slot_bytes + 1]) is None  # too big: the caller sends it the usual way
+
+
+def test_a_finished_loaders_ring_serves_the_next_loader_only_when_its_workers_are_gone(
+        ds_url: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, content = ds_url
+
+    def loader() -> StreamingDataLoader:
+        return StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, batch_size=16), num_workers=2)
+
+    first = loader()
+    assert len([kv for b in first for kv in contents(b)]) == N
+    ring_id = first._ring.id if first._ring is not None else None
+    del first
+    gc.collect()
+    second = loader()
+    got = [kv for b in second for kv in contents(b)]
+    assert second._ring is not None and second._ring.id == ring_id and dict(got) == content
+    it = iter(second)
+    next(it)  # abandoned mid-epoch: its workers may still be writing
+    del second
+    gc.collect()
+    third = loader()
+    got = [kv for b in third for kv in contents(b)]
+    assert third._ring is not None and third._ring.id != ring_id and dict(got) == content
+    del it
