@@ -29,7 +29,7 @@ from .config import parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
-from .reader import Dataset, sample_dict
+from .reader import Dataset, manifest_copies_dir, sample_dict
 from .rawbatch import field_bytes, fill, plan_batch
 from .ring import BatchRing, RingBatch
 from .shardio import Run, ShardSource, cache_namespace
@@ -83,6 +83,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None:
+            self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed, self.shuffle_block = bool(shuffle), int(seed), int(shuffle_block)
         self.decode = decode

@@ -7,8 +7,12 @@ dataset opens in about the time of two small GETs on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -18,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
+from .cachefs import file_name
 from .errors import IntegrityError, ManifestError
 from .manifest import parquet_file, read_info, read_shards
 from .storage import Store
@@ -97,12 +102,15 @@ class Dataset:
         self._shard_list: list[ShardInfo] | None = None
         self._fragments: dict[str, pq.ParquetFile] = {}
         self._samples: pa.Table | None = None
+        # A local directory keeping copies of the sample-manifest fragments (set by readers
+        # with a node cache): a warm epoch's fresh workers then read no manifest from storage.
+        self.manifest_cache: str | None = None
 
     def __repr__(self) -> str:
         return f"Dataset({self.url!r}, samples={self.num_samples}, shards={self.num_shards})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "info": self.info, "shards": self.shards}
+        return {"store": self.store, "info": self.info, "shards": self.shards, "manifest_cache": self.manifest_cache}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.store = state["store"]
@@ -112,6 +120,7 @@ class Dataset:
         self._shard_list = None
         self._fragments = {}
         self._samples = None
+        self.manifest_cache = state.get("manifest_cache")
 
     @property
     def num_samples(self) -> int:
@@ -149,10 +158,44 @@ class Dataset:
     def _fragment(self, name: str) -> pq.ParquetFile:
         pf = self._fragments.get(name)
         if pf is None:
-            data = self.store.read_bytes(name)
-            pf = parquet_file(data)
+            pf = self._local_fragment(name) if self.manifest_cache else None
+            if pf is None:
+                data = self.store.read_bytes(name)
+                pf = parquet_file(data)
+                if self.manifest_cache:
+                    self._keep_fragment(name, data)
             self._fragments[name] = pf
         return pf
+
+    def _local_path(self, name: str) -> str:
+        assert self.manifest_cache is not None
+        return os.path.join(self.manifest_cache, file_name(name))  # flat, never hidden or ".."
+
+    def _local_fragment(self, name: str) -> pq.ParquetFile | None:
+        path = self._local_path(name)
+        try:
+            with open(path, "rb") as f:
+                return parquet_file(f.read())
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a damaged copy is dropped and fetched again
+            log.warning("manifest copy %s is unreadable (%s); reading %s from storage", path, exc, name)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+
+    def _keep_fragment(self, name: str, data: bytes) -> None:
+        # Best effort: written to a private temp name and renamed, so readers never see half.
+        assert self.manifest_cache is not None
+        path = self._local_path(name)
+        try:
+            os.makedirs(self.manifest_cache, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.debug("could not keep a copy of %s in %s: %s", name, self.manifest_cache, exc)
 
     def shard_samples(self, shard: int) -> pa.Table:
         """The manifest rows of one shard (reads only that shard's row group)."""
@@ -230,6 +273,26 @@ class Dataset:
             if progress:
                 progress(info.bytes)
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
+
+
+def manifest_copies_dir(namespace: str) -> str | None:
+    """This user's node-local directory for copies of one dataset's sample manifests, or None
+    if it is not safely ours.
+
+    It lives in the temp dir, not in the shard cache, so ``cache_limit`` keeps bounding the
+    cache exactly. A copy decides where every sample starts, so the directory must belong to
+    this user and be writable by nobody else.
+    """
+    root = os.path.join(tempfile.gettempdir(), f"shardkit-manifests-{os.getuid()}")
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.stat(root, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        log.warning("not keeping manifest copies in %s: not a private directory of this user", root)
+        return None
+    return os.path.join(root, namespace)
 
 
 def check_shard_bytes(data: bytes | memoryview, info: ShardInfo) -> None:

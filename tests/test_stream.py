@@ -270,3 +270,32 @@ def test_plain_dataloader_batching_and_decode(local_ds: tuple[str, dict[str, byt
     got = list(DataLoader(ds, batch_size=None, num_workers=2))
     assert sorted(k for k, _ in got) == sorted(content)
     assert all(n == len(content[k]) for k, n in got)
+
+
+def test_warm_epoch_reads_sample_manifests_from_the_node_cache(local_ds: tuple[str, dict[str, bytes]],
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from shardkit.dataset import cache_namespace
+    from shardkit.reader import manifest_copies_dir
+    from shardkit.storage import Store
+
+    url, content = local_ds
+    where = manifest_copies_dir(cache_namespace(shardkit.open_dataset(url)))
+    assert where is not None and not where.startswith(str(tmp_path))  # outside the bounded cache
+    shutil.rmtree(where, ignore_errors=True)  # other tests of this module made copies already
+    read: list[str] = []
+    real = Store.read_bytes
+    monkeypatch.setattr(Store, "read_bytes", lambda self, rel: read.append(rel) or real(self, rel))
+    assert len(keys_of(StreamingDataset(url, cache_dir=tmp_path))) == N  # cold: manifests from storage
+    fragments = {r for r in read if r.endswith(".parquet") and "shards" not in r}
+    assert fragments
+    copies = sorted(Path(where).glob("*.parquet"))
+    assert len(copies) == len(fragments)
+    read.clear()
+    got = list(StreamingDataset(url, cache_dir=tmp_path))
+    assert not {r for r in read if r in fragments}, "a warm epoch fetched sample manifests again"
+    assert {x["__key__"]: bytes(x["bin"]) for x in got} == content
+    copies[0].write_bytes(b"not parquet")  # a damaged copy is replaced, never trusted
+    got = list(StreamingDataset(url, cache_dir=tmp_path))
+    assert {x["__key__"]: bytes(x["bin"]) for x in got} == content and copies[0].read_bytes()[:4] == b"PAR1"
