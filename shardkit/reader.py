@@ -101,6 +101,7 @@ class Dataset:
             raise ManifestError(f"{self.url}: dataset.json says {self.info['num_shards']} shards, shards.parquet has {self.shards.num_rows}")
         self._shard_list: list[ShardInfo] | None = None
         self._fragments: dict[str, pq.ParquetFile] = {}
+        self._memos: dict[str, dict[Any, Any]] = {}
         self._samples: pa.Table | None = None
         # A local directory keeping copies of the sample-manifest fragments (set by readers
         # with a node cache): a warm epoch's fresh workers then read no manifest from storage.
@@ -119,6 +120,7 @@ class Dataset:
         self.shards = state["shards"]
         self._shard_list = None
         self._fragments = {}
+        self._memos = {}
         self._samples = None
         self.manifest_cache = state.get("manifest_cache")
 
@@ -151,6 +153,10 @@ class Dataset:
                 for i in range(n)
             ]
         return self._shard_list
+
+    def memo(self, name: str) -> dict[Any, Any]:
+        """A dict kept with this object in this process (readers keep per-shard tables here)."""
+        return self._memos.setdefault(name, {})
 
     def shard_sizes(self) -> np.ndarray:
         return self.shards.column("num_samples").to_numpy()

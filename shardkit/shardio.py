@@ -114,8 +114,10 @@ class ShardSource:
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
         self.wait_seconds = 0.0
-        self._rows: dict[int, ShardRows] = {}
-        self._layouts: dict[int, FieldLayout | None] = {}
+        # Per process and dataset, not per source: persistent workers open a new source
+        # every epoch, and the manifest rows of a shard never change.
+        self._rows: dict[int, ShardRows] = ds.memo("rows")
+        self._layouts: dict[int, FieldLayout | None] = ds.memo("layouts")
         self._held: dict[int, Held] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[int, tuple[int, int, Future[bytes]]] = {}
