@@ -39,6 +39,7 @@ from .cachefs import (
     fmt_bytes,
     hash_fd,
     list_with_stat,
+    mark_used,
     pid_alive,
     preallocate,
     stamp_verified,
@@ -97,6 +98,9 @@ class CachedShard:
 
     def __init__(self, ref: ShardRef, path: str, fd: int, pin: FileLock) -> None:
         self.ref, self.path = ref, path
+        # The whole file matched the manifest's checksum and is unchanged since (its mtime is
+        # the cache's stamp); False only for a cache with verify=False and an unstamped file.
+        self.verified = False
         self._fd, self._pin = fd, pin
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -221,7 +225,9 @@ class ShardCache:
         except BaseException:
             pin.release()
             raise
-        return CachedShard(ref, self._final(file), cast(int, fd), pin)
+        shard = CachedShard(ref, self._final(file), cast(int, fd), pin)
+        shard.verified = os.fstat(cast(int, fd)).st_mtime_ns == verified_stamp_ns(ref.checksum)
+        return shard
 
     def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2) -> None:
         """Download the first ``max_ahead`` of ``refs``, in order, in a background thread.
@@ -324,10 +330,14 @@ class ShardCache:
             return "missing", None
         try:
             st = os.fstat(fd)
-            if st.st_size == ref.size and (not self._verify or st.st_mtime_ns == verified_stamp_ns(ref.checksum)
-                                           or hash_fd(fd, ref.size) == ref.checksum.lower()):
-                stamp_verified(fd, ref.checksum)
-                return "ok", fd
+            if st.st_size == ref.size:
+                stamped = st.st_mtime_ns == verified_stamp_ns(ref.checksum)
+                if stamped or (self._verify and hash_fd(fd, ref.size) == ref.checksum.lower()):
+                    stamp_verified(fd, ref.checksum)
+                    return "ok", fd
+                if not self._verify:  # trusted by size alone: used, but not stamped as verified
+                    mark_used(fd, st.st_mtime_ns)
+                    return "ok", fd
         except BaseException:
             os.close(fd)
             raise

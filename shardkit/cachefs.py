@@ -220,7 +220,12 @@ def verified_stamp_ns(checksum: str) -> int:
 
 def stamp_verified(fd: int, checksum: str) -> None:
     """Mark the file as verified (mtime = stamp) and used now (atime: the LRU clock)."""
+    mark_used(fd, verified_stamp_ns(checksum))
+
+
+def mark_used(fd: int, mtime_ns: int) -> None:
+    """Set atime (the LRU clock) to now and mtime to ``mtime_ns``."""
     try:
-        os.utime(fd, ns=(time.time_ns(), verified_stamp_ns(checksum)))
-    except OSError:  # not the file's owner: it is simply verified again next time
+        os.utime(fd, ns=(time.time_ns(), mtime_ns))
+    except OSError:  # not the file's owner: no stamp (verified again next time), no LRU touch
         pass

@@ -319,8 +319,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         if self.cache_dir is None:
             return None
         if self._cache is None:
-            # verify=False: every download is hashed before it is published, and samples are
-            # checked one by one below; re-hashing whole shards per process is what we avoid.
+            # verify=False: every download is hashed before it is published, and a file still
+            # bearing the cache's "verified" stamp is trusted; an unstamped one (changed since,
+            # or stamped by nobody) has its samples checked one by one below.
             self._cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
                                      verify=False)
         return self._cache
@@ -348,8 +349,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return cached
 
     def _verify_cached(self, cached: CachedShard, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> None:
-        if (info.shard, pos) in self._verified:
-            return
+        if cached.verified or (info.shard, pos) in self._verified:
+            return  # the whole shard file is verified and unchanged (the cache's stamp)
         start, size = int(rows.offset[pos]), int(rows.size[pos])
         if size <= _MMAP_HASH_MAX:
             got = xxhash.xxh3_64_intdigest(cached.buffer()[start:start + size])

@@ -501,3 +501,21 @@ def test_verified_shard_is_not_hashed_again_by_a_new_cache_until_it_changes(tmp_
         assert read_ok(cache, ref, s.remote, s.remote)
         assert hashed == [ref.size] and cache.stats()["corrupt_refetches"] == 0
     assert len(s.remote.calls()) == 1  # the rewrite kept the bytes: verified again, not fetched
+
+
+def test_a_cache_without_verify_never_stamps_what_it_did_not_hash(tmp_path: Path) -> None:
+    s = make_store(tmp_path, [1 * MB])
+    ref = s.refs[0]
+    with s.cache(10 * MB) as cache, cache.open(ref, s.remote) as shard:
+        assert shard.verified  # downloaded and hashed
+    with open(s.final(ref), "r+b") as f:  # rewritten in place: the stamp is gone
+        first = f.read(1)
+        f.seek(0)
+        f.write(first)
+    with s.cache(10 * MB, verify=False) as cache, cache.open(ref, s.remote) as shard:
+        assert not shard.verified  # trusted by size for this reader only
+    with s.cache(10 * MB, verify=False) as cache, cache.open(ref, s.remote) as shard:
+        assert not shard.verified, "an unhashed file was stamped as verified"
+    with s.cache(10 * MB) as cache, cache.open(ref, s.remote) as shard:
+        assert shard.verified and bytes(shard.buffer()) == s.remote.data(ref.name)
+    assert len(s.remote.calls()) == 1
