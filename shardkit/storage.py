@@ -255,6 +255,7 @@ class Store:
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.storage_options = dict(storage_options or {})
         self._fs = fs
+        self._fs_given = fs is not None
         self._fs_pid = os.getpid()
         self._root: str | None = None
         if fs is not None:
@@ -383,6 +384,14 @@ class Store:
         if not self.is_s3 or boto_settings(self.storage_options) is None:
             return None
         return s3_client(self.storage_options)
+
+    def boto3_writes(self) -> bool:
+        """Whether uploads may use :meth:`boto3_client`. Not when s3fs would write differently:
+        it adds ``s3_additional_kwargs`` (SSE, ACL...) and fsspec config defaults to every
+        upload, and a filesystem passed in by the caller carries its own settings."""
+        if self._fs_given or self.storage_options.get("s3_additional_kwargs") or fsspec.config.conf.get("s3"):
+            return False
+        return self.is_s3 and boto_settings(self.storage_options) is not None
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
         bucket, _, key = self.path(rel).partition("/")

@@ -20,8 +20,8 @@ def padding(size: int) -> int:
     return -size % BLOCK
 
 
-def member_header(name: str, size: int) -> bytes:
-    """The header block(s) of one regular-file member, deterministic."""
+def _tarfile_header(name: str, size: int) -> bytes:
+    """The header block(s) of one regular-file member, built by :mod:`tarfile` (the reference)."""
     info = tarfile.TarInfo(name)
     info.size = size
     info.mtime = 0
@@ -30,6 +30,32 @@ def member_header(name: str, size: int) -> bytes:
     info.uname = info.gname = ""
     info.type = tarfile.REGTYPE
     return info.tobuf(tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+# tarfile spends ~50 us per header (a pax-needed check, then field by field packing); that was
+# a third of the framing time for 64 KB images. Only the name, size and checksum differ between
+# our headers, so a header tarfile itself built is the template and those three fields are
+# patched in. The fast path covers exactly the case where tarfile emits a bare ustar block
+# (ASCII name of <= 100 bytes, size < 8 GiB); anything else still goes through tarfile.
+_TEMPLATE = _tarfile_header("", 0)
+_NAME_FIELD = 100
+_SIZE_FIELD = slice(124, 136)
+_MAX_USTAR_SIZE = 8**11
+# Checksum of the template header minus its (zero) size field: the checksum field counts as
+# eight spaces, and empty name bytes are zeros.
+_BASE_SUM = 256 + sum(_TEMPLATE[:148]) + sum(_TEMPLATE[156:]) - sum(_TEMPLATE[_SIZE_FIELD])
+
+
+def member_header(name: str, size: int) -> bytes:
+    """The header block(s) of one regular-file member, deterministic (byte-identical to
+    :mod:`tarfile`'s pax-format output, which tests check)."""
+    if 0 <= size < _MAX_USTAR_SIZE and len(name) <= _NAME_FIELD and name.isascii():
+        raw = name.encode("ascii")
+        size_field = b"%011o\0" % size
+        checksum = _BASE_SUM + sum(raw) + sum(size_field)
+        return b"".join((raw, bytes(_NAME_FIELD - len(raw)), _TEMPLATE[_NAME_FIELD:124], size_field,
+                         _TEMPLATE[136:148], b"%06o\0" % checksum, _TEMPLATE[155:]))
+    return _tarfile_header(name, size)
 
 
 @dataclass(frozen=True)

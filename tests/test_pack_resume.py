@@ -220,3 +220,46 @@ def test_race_same_input_commits_once(tmp_path, s3_server, s3_bucket):
     assert sorted(ds.samples.column("key").to_pylist()) == _source_keys(src)
     assert ds.info["created"] == wins[0]["created"]
     ds.verify(deep=True)
+
+
+def test_failed_shard_upload_writes_no_fragment_and_resume_redoes_only_the_rest(tmp_path, s3_server, s3_bucket,
+                                                                             monkeypatch):
+    """Uploads run behind the framing thread, but a task's fragment is written only after its
+    shards: a failed PUT leaves earlier tasks complete (reused by the rerun) and no later one."""
+    from shardkit.errors import StoragePermissionError
+    from shardkit.manifest import fragment_name
+    from shardkit.storage import Store
+
+    src = image_folder(tmp_path / "imgs", count=40, side=64)
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    shard = total // 10
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    real = Store(dest, opts).boto3_client()
+
+    class FailShard4:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def put_object(self, **kw: Any) -> Any:
+            if kw["Key"].endswith("shard-000004.tar"):
+                raise PermissionError("simulated denial")
+            return real.put_object(**kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Store, "boto3_client", lambda self: FailShard4())
+        with pytest.raises(StoragePermissionError, match="shard-000004.tar"):
+            shardkit.pack(str(src), dest, shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
+                          progress=False)
+    store = Store(dest, opts)
+    done = [t for t in range(12) if store.exists(fragment_name(t))]
+    assert done == [0, 1, 2, 3], done  # one shard per task here: tasks 0-3 finished, nothing after
+    assert not store.exists("shards/shard-000004.tar") and not store.exists("dataset.json")
+
+    info = shardkit.pack(str(src), dest, shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
+                         progress=False)
+    assert info["reused_tasks"] == 4
+    shardkit.pack(str(src), f"{s3_bucket}/clean", shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
+                  progress=False)
+    a, _ = compare_datasets(dest, f"{s3_bucket}/clean", opts)
+    a.verify(deep=True)

@@ -158,3 +158,138 @@ def test_iterable_with_undecodable_keys(tmp_path: Path) -> None:
     assert got == {safe_key(b"caf\xe9"): b"bytes key", safe_key("na\udcefve"): b"escaped key",
                    safe_key("a.b/c"): b"dotted"}
     assert ds.samples.column("source").to_pylist() == ["caf\ufffd", "na\ufffdve", "a.b/c"]
+
+
+# -- tar headers, S3 parts, upload failures -----------------------------------------------------
+
+
+def test_member_header_is_byte_identical_to_tarfile() -> None:
+    """The fast header path patches a tarfile-built template; tarfile stays the reference."""
+    import random
+
+    from shardkit.tarfmt import _tarfile_header, member_header
+
+    names = ["", "a", "k0001.jpg", "x" * 99 + ".", "x" * 100, "x" * 101, "ümlaut.jpg", "dir/a.seg.png", "a\x7f\x01"]
+    sizes = [0, 1, 511, 512, 65_536, 123_456_789, 8**11 - 1, 8**11, 2**40]
+    rng = random.Random(0)
+    names += ["".join(rng.choice("abcXYZ019_-.") for _ in range(rng.randint(1, 110))) for _ in range(300)]
+    for name in names:
+        for size in sizes + [rng.randint(0, 2**34)]:
+            assert member_header(name, size) == _tarfile_header(name, size), (name, size)
+
+
+def _mixed_samples() -> list[PackSample]:
+    """Small members and streamed ones whose odd-sized chunks straddle 5 MiB part boundaries."""
+    big = os.urandom(7 * 2**20 + 12_345)
+    out = [PackSample(f"s{i:03d}", {"bin": os.urandom(40_000 + i), "cls": b"1"}) for i in range(110)]
+    out.insert(10, PackSample("big1", {"npy": chunked(big, 3 * 2**20 + 7)}))
+    out.insert(30, PackSample("big2", {"npy": chunked(big[::-1], 2**20 - 1), "txt": b"x"}))
+    return out  # at 9 MB a shard: two shards of two parts or more, then one of a single PUT
+
+
+def _write_all(store: Store, samples: list[PackSample], shard_bytes: int) -> ShardWriter:
+    with ShardWriter(store, shard_bytes=shard_bytes) as w:
+        for s in samples:
+            w.write(s)
+    return w
+
+
+def test_s3_parts_single_puts_and_the_s3fs_fallback_write_the_same_bytes(
+        tmp_path: Path, s3_bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit import writer
+
+    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)  # the S3 minimum: several parts per shard
+    opts = s3_server.storage_options()  # type: ignore[attr-defined]
+    samples = _mixed_samples()
+    local = _write_all(Store(str(tmp_path / "local")), samples, 9 * 10**6)
+    boto = _write_all(Store(f"{s3_bucket}/boto", opts), samples, 9 * 10**6)
+    # s3_additional_kwargs are applied by s3fs only: such a store keeps s3fs's writer.
+    fallback_store = Store(f"{s3_bucket}/s3fs", {**opts, "s3_additional_kwargs": {"ContentType": "application/x-tar"}})
+    assert not fallback_store.boto3_writes() and Store(f"{s3_bucket}/boto", opts).boto3_writes()
+    fallback = _write_all(fallback_store, samples, 9 * 10**6)
+    assert len(local.shards) >= 3 and local.shards == boto.shards == fallback.shards
+    assert local.rows.checksum == boto.rows.checksum and local.rows.fields == boto.rows.fields
+    for rec in local.shards:
+        data = Store(str(tmp_path / "local")).read_bytes(rec.path)
+        assert Store(f"{s3_bucket}/boto", opts).read_bytes(rec.path) == data
+        assert fallback_store.read_bytes(rec.path) == data
+    client = Store(f"{s3_bucket}/boto", opts).boto3_client()
+    bucket = s3_bucket[len("s3://"):]
+    etags = [client.head_object(Bucket=bucket, Key=f"boto/{r.path}")["ETag"] for r in boto.shards]
+    assert any("-" in e for e in etags), etags  # a multipart upload (shard > one part)...
+    assert any("-" not in e for e in etags), etags  # ...and a single PUT (shard <= one part)
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+class _FailingClient:
+    """A boto3 client whose ``method`` fails (not transiently) for keys ending in ``suffix``."""
+
+    def __init__(self, inner: object, method: str, suffix: str) -> None:
+        self.inner, self.method, self.suffix = inner, method, suffix
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self.inner, name)
+        if name != self.method:
+            return real
+
+        def fail(**kw: object) -> object:
+            if str(kw["Key"]).endswith(self.suffix):
+                raise PermissionError("simulated denial")
+            return real(**kw)
+        return fail
+
+
+def test_failed_part_aborts_the_upload_and_skips_later_shards(
+        s3_bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit import writer
+    from shardkit.errors import StoragePermissionError
+
+    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
+    opts = s3_server.storage_options()  # type: ignore[attr-defined]
+    store = Store(f"{s3_bucket}/fail", opts)
+    real = store.boto3_client()
+    monkeypatch.setattr(Store, "boto3_client",
+                        lambda self: _FailingClient(real, "upload_part", "shard-000001.tar"))
+    with pytest.raises(StoragePermissionError) as err:
+        _write_all(store, _mixed_samples(), 9 * 10**6)
+    msg = str(err.value)
+    assert "shards/shard-000001.tar" in msg and opts["secret"] not in msg and opts["key"] not in msg
+    # Shard 0 was complete before the failure; shard 1's multipart upload was aborted and no
+    # later shard was started.
+    assert store.glob("shards/*") == ["shards/shard-000000.tar"]
+    assert real.list_multipart_uploads(Bucket=s3_bucket[len("s3://"):]).get("Uploads", []) == []
+
+
+def test_uploader_keeps_order_stops_at_the_first_error_and_bounds_bytes_in_flight() -> None:
+    import threading
+
+    from shardkit.writer import Uploader
+
+    up = Uploader(max_bytes=10)
+    gate = threading.Event()
+    done: list[str] = []
+    up.submit(lambda: (gate.wait(5), done.append("a")), bytearray(10))
+    blocked = threading.Thread(target=lambda: up.submit(lambda: done.append("b"), bytearray(10)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive() and done == []  # 10 bytes in flight: the next part waits
+    gate.set()
+    blocked.join(5)
+    up.flush()
+    assert done == ["a", "b"]
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    gate.clear()
+    up.submit(lambda: (gate.wait(5), done.append("c")))
+    up.submit(boom)
+    up.submit(lambda: done.append("skipped"))
+    up.submit(lambda: done.append("cleanup"), always=True)
+    gate.set()
+    with pytest.raises(RuntimeError, match="boom"):
+        up.flush()
+    with pytest.raises(RuntimeError, match="boom"):
+        up.submit(lambda: done.append("late"))
+    up.close(check=False)
+    assert done == ["a", "b", "c", "cleanup"]

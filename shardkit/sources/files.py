@@ -53,17 +53,20 @@ def walk_files(root: Path) -> Iterator[tuple[str, int]]:
     return iter(found)
 
 
-def read_field(path: Path, size: int) -> FieldValue:
-    """The file's bytes, or a StreamedField for big files; SourceError naming an unreadable file."""
+def read_field(path: str | os.PathLike[str]) -> FieldValue:
+    """The file's bytes, or a StreamedField for big files; SourceError naming an unreadable file.
+
+    One open and an fstat of it, unbuffered: packing small images spent about a third of its
+    read time on a separate stat and the buffered reader's setup.
+    """
     try:
-        if size <= STREAM_THRESHOLD:
-            with open(path, "rb") as f:
-                return f.read()
-        # Check readability now so the error names the file before a tar member is started.
-        with open(path, "rb"):
-            pass
+        # Opened even for a big file, so the error names it before a tar member is started.
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= STREAM_THRESHOLD:
+                return f.readall()
     except OSError as exc:
-        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        raise SourceError(f"cannot read {Path(path)}: {exc.strerror or exc}") from exc
 
     def chunks() -> Iterator[bytes]:
         with open(path, "rb") as f:
@@ -128,8 +131,7 @@ class FolderSource:
         for part in item.ref.split("|"):
             field, _, rel = part.partition("=")
             first = first or rel
-            path = root / rel
-            fields[field] = read_field(path, _size(path))
+            fields[field] = read_field(root / rel)
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
@@ -150,13 +152,6 @@ def _raw_key(rel: str) -> str:
     head, _, name = rel.rpartition("/")
     stem = name.partition(".")[0]
     return f"{head}/{stem}" if head else stem
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError as exc:
-        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 class ImageFolderSource:
@@ -194,12 +189,11 @@ class ImageFolderSource:
         return items
 
     def load(self, item: SourceItem) -> PackSample:
-        path = Path(self.root) / item.ref
         cls = item.ref.split("/", 1)[0]
         label = self.labels()[cls]  # type: ignore[index]
-        ext = path.suffix.lower().lstrip(".")
+        ext = os.path.splitext(item.ref)[1].lower().lstrip(".")
         ext = "jpg" if ext == "jpeg" else ext
-        image = read_field(path, _size(path))
+        image = read_field(f"{self.root}/{item.ref}")  # a str path: no Path objects per image
         return PackSample(item.key, {ext: image, "cls": str(label).encode()},
                           {"label": label, "class_name": _text(cls), "source": _text(item.ref)})
 
@@ -261,7 +255,7 @@ class FileListSource:
         ext = "jpg" if ext == "jpeg" else ext
         meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
         meta["source"] = row[self.path_column]
-        fields: dict[str, FieldValue] = {ext: read_field(path, _size(path))}
+        fields: dict[str, FieldValue] = {ext: read_field(path)}
         if isinstance(meta.get("label"), int):
             fields["cls"] = str(meta["label"]).encode()
         return PackSample(item.key, fields, meta)
