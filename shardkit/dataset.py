@@ -279,7 +279,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     sample = decoder(sample_dict(view, base, rows, p, first + p, path, verify=check))
                     n += 1
                     if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
-                        sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
+                        if isinstance(sample, dict):  # raw fields: copies, not views of what we unpin
+                            sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
                         del view
                         source.release_all()
                     yield sample

@@ -299,3 +299,15 @@ def test_warm_epoch_reads_sample_manifests_from_the_node_cache(local_ds: tuple[s
     copies[0].write_bytes(b"not parquet")  # a damaged copy is replaced, never trusted
     got = list(StreamingDataset(url, cache_dir=tmp_path))
     assert {x["__key__"]: bytes(x["bin"]) for x in got} == content and copies[0].read_bytes()[:4] == b"PAR1"
+
+
+def test_tight_cache_with_a_callable_decoder_and_workers(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    # A cache too small for every worker to keep a shard unpins at every batch end; samples
+    # handed out there must stay valid whatever the decoder returns.
+    url, content = local_ds
+    biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    ds = StreamingDataset(url, cache_dir=tmp_path, cache_limit=3 * biggest,
+                          decode=lambda s: (s["__key__"], bytes(s["bin"])))
+    loader = StreamingDataLoader(ds, batch_size=16, num_workers=2, collate_fn=list)
+    got = dict(pair for batch in loader for pair in batch)
+    assert got == content
