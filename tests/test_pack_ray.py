@@ -222,7 +222,7 @@ def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-import h5py, numpy, pyarrow, pyarrow.parquet, s3fs, xxhash, shardkit.packer, shardkit.sources.hdf5
+import boto3, h5py, numpy, pyarrow, pyarrow.parquet, s3fs, xxhash, shardkit.packer, shardkit.sources.hdf5
 base = hwm()
 info = shardkit.packer.pack(sys.argv[1], sys.argv[2], shard_bytes="400MB", engine="local", progress=False)
 print(json.dumps({"baseline": base, "peak": hwm(), "samples": info["num_samples"], "bytes": info["total_bytes"]}))
@@ -234,9 +234,10 @@ def test_pack_300mb_samples_bounded_memory(tmp_path, s3_server, s3_bucket):
     """Packing two ~300 MB HDF5 samples to S3 keeps peak RSS < import baseline + 150 MB.
 
     The bound: the HDF5 reader streams 8 MiB slabs (one reused buffer + the bytes object it
-    yields, ~16 MiB), h5py's chunk cache is 32 MiB, the S3 multipart writer buffers one
-    16 MiB part (plus the copy it sends, ~32 MiB), and interpreter/allocator slack; about
-    100 MB in all. A 300 MB sample held whole anywhere would blow through it.
+    yields, ~16 MiB), h5py's chunk cache is 32 MiB, the writer holds up to three 16 MiB part
+    buffers (filling, uploading, the reused spare), the boto3 client's service model ~20 MB
+    (boto3 itself is imported in the baseline, like s3fs), and interpreter/allocator slack:
+    ~130 MB measured here. A 300 MB sample held whole anywhere would blow through it.
     """
     h5py = pytest.importorskip("h5py")
     import os
