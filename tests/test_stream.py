@@ -311,3 +311,21 @@ def test_tight_cache_with_a_callable_decoder_and_workers(local_ds: tuple[str, di
     loader = StreamingDataLoader(ds, batch_size=16, num_workers=2, collate_fn=list)
     got = dict(pair for batch in loader for pair in batch)
     assert got == content
+
+
+def test_manifest_copies_only_in_a_private_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy decides where every sample starts: a directory others can write is never used.
+    import os
+    import tempfile
+
+    from shardkit.reader import manifest_copies_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / f"shardkit-manifests-{os.getuid()}"
+    assert manifest_copies_dir("ns1") == str(root / "ns1")
+    assert root.stat().st_mode & 0o777 == 0o700
+    root.chmod(0o777)
+    assert manifest_copies_dir("ns1") is None
+    root.rmdir()
+    root.symlink_to(tmp_path)  # a planted symlink is not a private directory either
+    assert manifest_copies_dir("ns1") is None
