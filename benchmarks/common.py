@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -308,7 +309,7 @@ def write_chart(path: Path, rows: list[dict[str, Any]], title: str, ratios: dict
                 ax.text(shown + xmax * 0.01, y, f"{fmt_rate(v)}/s" + (f"  ({r['mb_per_s']:,.0f} MB/s)" if group == "large"
                         and r.get("mb_per_s") else ""), va="center", fontsize=8)
         ax.set_yticks(ys)
-        ax.set_yticklabels([r["name"] for r in rs], fontsize=8.5)
+        ax.set_yticklabels([textwrap.fill(r["name"], 50) for r in rs], fontsize=8.5)  # long names: 2 lines
         ax.set_xlim(0, xmax)
         sub = GROUP_TITLES.get(group, group)
         if ratios and ratios.get(group):
@@ -321,7 +322,7 @@ def write_chart(path: Path, rows: list[dict[str, Any]], title: str, ratios: dict
                         Patch(color=grey, label="ceiling (same bytes, no loader)")],
                loc="upper right", fontsize=8, ncol=3, frameon=False, bbox_to_anchor=(0.99, 0.985))
     fig.suptitle(title, fontsize=10, x=0.01, ha="left", y=0.995)
-    fig.subplots_adjust(left=0.34, right=0.98, top=1 - 1.0 / (sum(heights) + 1.1), bottom=0.5 / (sum(heights) + 1.1),
+    fig.subplots_adjust(left=0.36, right=0.98, top=1 - 1.0 / (sum(heights) + 1.1), bottom=0.5 / (sum(heights) + 1.1),
                         hspace=0.55)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)
