@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised only without torch
     _IterableBase = object  # type: ignore[misc,assignment]
 
 STATE_VERSION = 1
-_NONE = np.zeros(0, np.int64)
 _LOOKAHEAD = 256  # runs looked ahead: which shards to keep open, what to read ahead
 _STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
 
