@@ -122,6 +122,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def write_replace(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp name of this process and a rename, so a
+    reader sees the old file or the whole new one, never a part (OSError is the caller's)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)

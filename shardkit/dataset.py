@@ -24,6 +24,7 @@ import numpy as np
 
 from .batching import collate
 from .cache import ShardCache
+from .cachefs import write_replace
 from .codecs import make_decoder
 from .config import parse_size
 from .errors import ConfigError
@@ -163,10 +164,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def _write_control(self) -> None:
         state = {"epoch": self.epoch, "remaining": self._remaining}
-        tmp = os.path.join(self._control, f"control.json.{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, os.path.join(self._control, "control.json"))
+        write_replace(os.path.join(self._control, "control.json"), json.dumps(state).encode())
 
     def _read_control(self) -> tuple[int, list[Range]]:
         # Persistent workers hold an old copy of this object: the control file is the truth.
@@ -376,9 +374,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         name = f"stats-r{topo.rank}w{topo.worker}p{os.getpid()}.json"
         path = os.path.join(self._control, name)
         try:
-            with open(path + ".tmp", "w") as f:
-                json.dump(total, f)
-            os.replace(path + ".tmp", path)
+            write_replace(path, json.dumps(total).encode())
         except OSError:
             pass  # statistics are best effort; never fail a training step over them
 

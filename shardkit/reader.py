@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from .cachefs import file_name
+from .cachefs import file_name, write_replace
 from .errors import IntegrityError, ManifestError
 from .manifest import parquet_file, read_info, read_shards
 from .storage import Store
@@ -191,15 +191,12 @@ class Dataset:
             return None
 
     def _keep_fragment(self, name: str, data: bytes) -> None:
-        # Best effort: written to a private temp name and renamed, so readers never see half.
+        # Best effort; renamed into place, so readers never see half a copy.
         assert self.manifest_cache is not None
         path = self._local_path(name)
         try:
             os.makedirs(self.manifest_cache, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
+            write_replace(path, data)
         except OSError as exc:
             log.debug("could not keep a copy of %s in %s: %s", name, self.manifest_cache, exc)
 
