@@ -287,16 +287,19 @@ def test_warm_epoch_reads_sample_manifests_from_the_node_cache(local_ds: tuple[s
     read: list[str] = []
     real = Store.read_bytes
     monkeypatch.setattr(Store, "read_bytes", lambda self, rel: read.append(rel) or real(self, rel))
+    shardkit.reader._MEMOS.clear()  # rows parsed by the other tests of this module
     assert len(keys_of(StreamingDataset(url, cache_dir=tmp_path))) == N  # cold: manifests from storage
     fragments = {r for r in read if r.endswith(".parquet") and "shards" not in r}
     assert fragments
     copies = sorted(Path(where).glob("*.parquet"))
     assert len(copies) == len(fragments)
     read.clear()
+    shardkit.reader._MEMOS.clear()  # as in a fresh process: no parsed rows kept in memory
     got = list(StreamingDataset(url, cache_dir=tmp_path))
     assert not {r for r in read if r in fragments}, "a warm epoch fetched sample manifests again"
     assert {x["__key__"]: bytes(x["bin"]) for x in got} == content
     copies[0].write_bytes(b"not parquet")  # a damaged copy is replaced, never trusted
+    shardkit.reader._MEMOS.clear()
     got = list(StreamingDataset(url, cache_dir=tmp_path))
     assert {x["__key__"]: bytes(x["bin"]) for x in got} == content and copies[0].read_bytes()[:4] == b"PAR1"
 
