@@ -29,6 +29,7 @@ _LAZY = {
     "ShardWriter": ".writer",
     "CenterCrop": ".codecs",
     "index_tars": ".index",
+    "unpack": ".batching",
 }
 
 __all__ = [*_LAZY, "errors", "__version__"]

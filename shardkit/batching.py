@@ -47,8 +47,11 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def unpack(batch: dict[str, Any], field: str) -> list[memoryview]:
-    """The per-sample bodies of a raw bytes field of a batch (views, no copies)."""
+    """The per-sample bodies of a raw bytes field of a batch (views, no copies): packed
+    (``<field>`` + ``<field>.offsets``) or, in a zero-copy batch, a list of arrays."""
     data = batch[field]
+    if isinstance(data, list):
+        return [memoryview(v).cast("B") for v in data]
     offsets = batch[field + OFFSETS]
     buf = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
     bounds = offsets.tolist()

@@ -25,10 +25,11 @@ class BufferPool:
     Args:
         keep: buffers kept for reuse (the largest ones win when there are more).
         pin: page-locked (CUDA pinned) buffers, for a copy-free GPU transfer.
+        largest: bigger buffers are never kept (huge samples would pin that much memory).
     """
 
-    def __init__(self, keep: int = 6, pin: bool = False) -> None:
-        self.keep, self.pin = keep, pin
+    def __init__(self, keep: int = 6, pin: bool = False, largest: int | None = None) -> None:
+        self.keep, self.pin, self.largest = keep, pin, largest
         self._bufs: list[np.ndarray] = []
 
     def _idle(self) -> list[int]:
@@ -44,6 +45,8 @@ class BufferPool:
 
     def _allocate(self, nbytes: int) -> np.ndarray:
         buf = _pinned(nbytes) if self.pin else np.empty(nbytes, np.uint8)
+        if self.largest is not None and nbytes > self.largest:
+            return buf
         if len(self._bufs) >= self.keep:
             idle = self._idle()
             if not idle:

@@ -105,6 +105,12 @@ class CachedShard:
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
 
+    def fileno(self) -> int:
+        """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies."""
+        if self._fd < 0:
+            raise ValueError(f"shard {self.ref.name} is closed")
+        return self._fd
+
     def buffer(self) -> memoryview:
         """A read-only memoryview of the whole file (mapped on first call)."""
         if self._fd < 0:
@@ -122,7 +128,10 @@ class CachedShard:
         if self._fd < 0:
             return
         if self._view is not None:
-            self._view.release()
+            try:
+                self._view.release()
+            except BufferError:  # arrays over it are alive (zero-copy batches): they keep it mapped
+                pass
         if self._mmap is not None:
             try:
                 self._mmap.close()

@@ -18,6 +18,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -31,7 +32,9 @@ from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
 from .reader import Dataset, manifest_copies_dir, sample_dict
-from .rawbatch import field_bytes, fill, plan_batch
+from .bufpool import BufferPool
+from .rawbatch import (BatchPlan, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch, prepare,
+                       view_batch)
 from .ring import BatchRing, RingBatch
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
@@ -44,6 +47,10 @@ except ImportError:  # pragma: no cover - exercised only without torch
 STATE_VERSION = 1
 _LOOKAHEAD = 256  # runs looked ahead: which shards to keep open, what to read ahead
 _STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
+# Buffers of threaded raw batches, shared by every stream in this process: a buffer is reused
+# once the training loop drops the last batch over it, so its pages are already mapped (a
+# fresh one costs a zero-filled page fault per 4 KiB, half the speed of the copy itself).
+_BATCH_BUFFERS = BufferPool(keep=8, largest=256 << 20)
 
 
 def _remove_dir(path: str, owner: int) -> None:
@@ -68,6 +75,20 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         loader_batch_size: the DataLoader's batch size when it batches (not ``batch_size``):
             workers then take turns in whole batches, so resume is exact.
         prefetch: shards (or spans) fetched ahead of need per worker.
+        read_threads: threads that fill raw batches from the node cache ahead of the training
+            loop when the stream is read in the process that owns it (DataLoader
+            ``num_workers=0``, or plain iteration); ``0`` fills each batch when it is asked
+            for. The copies are ``os.preadv`` calls that release the GIL, so no worker
+            processes (and no pickling between them) are needed for raw bytes. Not used in
+            DataLoader workers, for decoded batches, without a cache, or when the cache is
+            too small to pin the batches in flight.
+        zero_copy: raw batches without any copy: each field is a list of read-only uint8
+            arrays over the mapped cached shard files, one per sample (``None`` where a
+            sample lacks the field). Needs ``batch_size``, ``cache_dir``, ``decode=None`` and
+            iteration in the main process (``num_workers=0``): a map cannot cross processes.
+            For GPU decoders and readers of raw arrays that take one buffer per sample. The
+            arrays keep their shard's map (and, once evicted, its disk space) alive while
+            the training loop holds them.
     """
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str = "200GB",
@@ -75,11 +96,14 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  batch_size: int | None = None, drop_last: bool = False,
                  storage_options: dict[str, Any] | None = None, *, shuffle_block: int = DEFAULT_BLOCK_SHARDS,
                  loader_batch_size: int | None = None, prefetch: int = 2, verify: bool = True,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+                 read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size: must be >= 1, got {batch_size}")
         if loader_batch_size is not None and loader_batch_size < 1:
             raise ConfigError(f"loader_batch_size: must be >= 1, got {loader_batch_size}")
+        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 0:
+            raise ConfigError(f"read_threads: must be an int >= 0, got {read_threads!r}")
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
@@ -91,6 +115,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.batch_size, self.drop_last = batch_size, bool(drop_last)
         self.chunk = batch_size or loader_batch_size or 1
         self.prefetch, self.verify = prefetch, verify
+        self.read_threads = read_threads
+        self.zero_copy = bool(zero_copy)
+        if self.zero_copy and (batch_size is None or decode is not None or cache_dir is None):
+            raise ConfigError("zero_copy=True: needs batch_size, cache_dir and decode=None "
+                              "(batches of views into the node cache's files)")
         self.rank, self.world_size = rank, world_size
         make_decoder(decode)  # validate now, in the main process
         self._control = tempfile.mkdtemp(prefix="shardkit-stream-")
@@ -216,6 +245,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         mine = rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last)
         ranges = worker_ranges(mine, topo.worker, topo.num_workers, self.chunk)
         in_main = topo.num_workers == 1 and _in_main_process()
+        if self.zero_copy and not _in_main_process():
+            raise ConfigError("zero_copy=True: iterate in the main process (DataLoader num_workers=0); "
+                              "a batch of views into mapped files cannot be sent from a worker")
         if in_main:
             self._yielded = 0
         if self._acc_pid != os.getpid():  # a fresh worker: counters start at zero
@@ -228,6 +260,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # stall the other readers for good (a worker of another rank, or this worker's
         # sibling the loader is waiting for). Then shards are unpinned at every batch end.
         self._tight = self.cache_dir is not None and self._pin_budget(topo) < 1
+        threads = self._fill_threads(topo, source, in_main)
         self._next_stats = time.monotonic() + _STATS_EVERY
         try:
             sched = schedule_shards(order, ranges)
@@ -239,7 +272,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                         self._yielded += 1
                     yield s
             else:
-                batches = self._raw_batches(source, runs) if self.decode is None else self._decoded_batches(source, runs)
+                batches = (self._decoded_batches(source, runs) if self.decode is not None
+                           else self._view_batches(source, runs) if self.zero_copy
+                           else self._threaded_batches(source, runs, threads) if threads
+                           else self._raw_batches(source, runs))
                 for b in batches:
                     if in_main:
                         self._yielded += len(b["__key__"])
@@ -295,8 +331,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if pending and not self.drop_last:
             yield _to_torch(collate(pending))
 
-    def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[Any]:
-        """Raw batches built with numpy from the manifest offsets: one copy of the bytes."""
+    def _batch_pieces(self, runs: _Lookahead) -> Iterator[tuple[list[Run], Run | None, int]]:
+        """Cut the run stream into batches: (pieces, the rest of the last run, samples)."""
         size = self.batch_size or 1
         carry: Run | None = None
         while True:
@@ -319,11 +355,105 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     n += len(p)
             if n == 0 or (n < size and self.drop_last):
                 return
+            yield pieces, carry, n
+
+    def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[Any]:
+        """Raw batches built with numpy from the manifest offsets: one copy of the bytes."""
+        for pieces, carry, n in self._batch_pieces(runs):
             built = self._build(source, pieces, carry, runs)
             if self._tight:  # the worker may now wait on the DataLoader
                 source.release_all()
             yield built if isinstance(built, RingBatch) else _to_torch(built)
             self._tick(source, n)
+
+    def _view_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
+        """Zero-copy batches (``zero_copy=True``): per field, a list of views into the maps."""
+        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        for pieces, carry, n in self._batch_pieces(runs):
+            plan = plan_batch(source, pieces, first_sample)
+            window = _Later(pieces, 0, carry, runs)
+            batch = (view_batch(source, plan, window, self.verify) if plan is not None
+                     else self._ragged_views(source, pieces, carry, runs, first_sample))
+            if self._tight:
+                source.release_all()  # the views keep their maps; only the pins go
+            yield _to_torch(batch)
+            self._tick(source, n)
+
+    def _ragged_views(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead,
+                      first_sample: np.ndarray) -> dict[str, Any]:
+        # Samples with different fields: the same lists, None where a sample lacks a field.
+        infos = self.ds.shard_list
+        samples = []
+        for i, (shard, p) in enumerate(pieces):
+            rows = source.rows(shard)
+            held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
+            for k in p.tolist():
+                samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
+                                           infos[shard].path, verify=held.verify and self.verify))
+        names = list(dict.fromkeys(f for smp in samples for f in smp if not f.startswith("__")))
+        batch: dict[str, Any] = {"__key__": [smp["__key__"] for smp in samples],
+                                 "__index__": np.array([smp["__index__"] for smp in samples], np.int64)}
+        for f in names:
+            batch[f] = [np.frombuffer(smp[f], np.uint8) if f in smp else None for smp in samples]
+        return batch
+
+    def _fill_threads(self, topo: Topology, source: ShardSource, in_main: bool) -> int:
+        """Threads to fill raw batches with (0: fill each batch when asked for it)."""
+        if not (in_main and self.read_threads and self.batch_size and self.decode is None and source.cache):
+            return 0
+        # Batches in flight keep their shards pinned: with less room than that (plus one
+        # download) a fill could wait for space that only the waiting loop would free.
+        in_flight = 2 * self.read_threads
+        return self.read_threads if self._pin_budget(topo) >= source.max_open + in_flight + 1 else 0
+
+    def _threaded_batches(self, source: ShardSource, runs: _Lookahead, threads: int) -> Iterator[Any]:
+        """Raw batches filled by ``threads`` threads, up to ``2 * threads`` batches ahead, and
+        yielded in order. This thread plans each batch and opens (pins) its shards; the copy
+        threads only read the open files into the batch's buffers."""
+        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        pending: deque[tuple[Future[None], BatchPlan, list[np.ndarray], list[MemberCopy], int]] = deque()
+
+        def finish() -> dict[str, Any]:
+            fut, plan, outs, copies, _ = pending[0]
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            finally:
+                source.wait_seconds += time.perf_counter() - t0
+                pending.popleft()
+                done(source, copies)
+            return _to_torch(assemble(plan, outs))
+
+        def drain(count: int | None = None) -> Iterator[Any]:
+            while pending and (count is None or count > 0):
+                n = pending[0][4]
+                yield finish()
+                self._tick(source, n)
+                count = None if count is None else count - 1
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-fill")
+        try:
+            for pieces, carry, n in self._batch_pieces(runs):
+                plan = plan_batch(source, pieces, first_sample)
+                if plan is None:  # ragged fields: collate per sample, after the batches before it
+                    yield from drain()
+                    yield _to_torch(self._build_slow(source, pieces, carry, runs))
+                    self._tick(source, n)
+                    continue
+                copies = list(prepare(source, plan, _Later(pieces, 0, carry, runs), self.verify))
+                outs = [_BATCH_BUFFERS.take(nbytes) for nbytes in field_bytes(plan)]
+                pending.append((pool.submit(copy_into, copies, outs), plan, outs, copies, n))
+                del outs  # the pool sees a buffer as free once only the batch refers to it
+                if len(pending) > 2 * threads:
+                    yield from drain(1)
+            yield from drain()
+        finally:
+            for fut, *_ in pending:
+                fut.cancel()
+            pool.shutdown(wait=True)  # no copy may still read a file the source closes next
+            for _, _, _, copies, _ in pending:
+                done(source, copies)
+            pending.clear()
 
     def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> Any:
         """One raw batch: a dict of arrays, or (in a worker with a ring) a RingBatch."""

@@ -2,7 +2,9 @@
 
 A batch of raw bytes is, per field, one uint8 array holding every sample's member back to
 back plus an int64 ``offsets`` array (n+1 boundaries). :func:`plan_batch` works out where
-every member sits (vectorised per shard); :func:`fill` copies them.
+every member sits (vectorised per shard); :func:`fill` copies them: from a cached file with
+``os.preadv`` (:func:`read_members`: one call per run of nearby members, each member's bytes
+routed straight to its field), from bytes in memory with slicing.
 
 With a :class:`shardkit.ring.BatchRing`, a DataLoader worker fills the batch straight into
 shared memory the main process reads without a copy (see ring.py).
@@ -10,16 +12,25 @@ shared memory the main process reads without a copy (see ring.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from .batching import OFFSETS
+from .errors import IntegrityError
 from .reader import verify_sample
+from .shardio import Held, ShardSource
 
 Run = tuple[int, np.ndarray]
 _GATHER_BELOW = 512  # mean member bytes under which a field is gathered, not copied member by member
+# One preadv covers members whose gaps (tar headers, padding, members of samples not in the
+# batch) are at most _GAP_MAX bytes; the gap bytes land in a scratch buffer. Shorter than a
+# syscall's worth of copying (~1 us ~ 10 KB here) is not worth splitting a call for.
+_GAP_MAX = 64 * 1024
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+_SCRATCH = memoryview(bytearray(_GAP_MAX))
 
 
 @dataclass
@@ -42,13 +53,13 @@ class BatchPlan:
         return len(self.keys)
 
 
-def plan_batch(source: Any, pieces: Sequence[Run], first_sample: np.ndarray) -> BatchPlan | None:
+def plan_batch(source: ShardSource, pieces: Sequence[Run], first_sample: np.ndarray) -> BatchPlan | None:
     """The plan of a batch made of ``pieces`` (runs of (shard, positions)), or None when its
     samples do not all have the same fields (then the caller collates per sample)."""
-    layouts = {s: source.layout(s) for s, _ in pieces}
-    first = next(iter(layouts.values()))
-    names = first.names if first is not None else None
-    if names is None or any(lay is None or lay.names != names for lay in layouts.values()):
+    found = {s: source.layout(s) for s, _ in pieces}
+    layouts = {s: lay for s, lay in found.items() if lay is not None}
+    names = next(iter(layouts.values())).names if layouts else None
+    if names is None or len(layouts) < len(found) or any(lay.names != names for lay in layouts.values()):
         return None
     pos = np.concatenate([p for _, p in pieces]) if len(pieces) > 1 else pieces[0][1]
     shard_of = np.repeat(np.fromiter((s for s, _ in pieces), np.int64, len(pieces)),
@@ -76,12 +87,91 @@ def field_bytes(plan: BatchPlan) -> list[int]:
     return [int(plan.offsets[j, -1]) for j in range(len(plan.names))]
 
 
-def fill(source: Any, plan: BatchPlan, window: Sequence[Run], verify: bool,
+@dataclass
+class MemberCopy:
+    """The members of one batch that one held shard provides: ``(k, fields)`` arrays of
+    destinations in the batch's field arrays, shard offsets and sizes. ``held`` stays open
+    (and pinned) while the copy may run; ``where`` names the shard in errors."""
+
+    held: Held
+    dsts: np.ndarray
+    starts: np.ndarray
+    sizes: np.ndarray
+    where: str
+
+
+def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool) -> Iterator[MemberCopy]:
+    """Open (pin) the shards ``plan`` needs, one at a time, check the members that still need
+    checking, and yield the copies to make. Touches the source, so it runs in the source's
+    thread. Each held shard counts the copy as a user (the source keeps it open) until
+    :func:`done`. Lazy on purpose: :func:`fill` copies from a shard before opening the next,
+    so a reader with a one-shard pin budget never holds two."""
+    infos = source.ds.shard_list
+    dsts_all = plan.offsets[:, :-1].T  # (n, fields): where each member goes
+    for s, (idx, mine) in plan.members.items():
+        held = source.get(s, mine, window)
+        held.users += 1  # before the next get(), which may let go of the shards before it
+        where = f"shard {s} ({infos[s].path})"
+        if held.verify and verify:
+            rows = source.rows(s)
+            for k in mine.tolist():
+                verify_sample(held.view, held.base, rows, k, where)
+        yield MemberCopy(held, dsts_all[idx], plan.starts[idx] - held.base, plan.sizes[idx], where)
+
+
+def copy_into(copies: Sequence[MemberCopy], outs: Sequence[np.ndarray]) -> None:
+    """Make the ``copies`` into ``outs`` (one uint8 array per field). Safe in another thread
+    while the held shards stay open: a cached file is read with ``os.preadv``, which releases
+    the GIL (see shardio.Held for why it is not mapped)."""
+    for c in copies:
+        fd = c.held.fd
+        if fd >= 0:
+            read_members(fd, outs, c.dsts, c.starts, c.sizes, c.where)
+            continue
+        for j, out in enumerate(outs):
+            copy_members(out, c.dsts[:, j], c.held.array, c.starts[:, j], c.sizes[:, j])
+
+
+def done(source: ShardSource, copies: Sequence[MemberCopy]) -> None:
+    """The copies have finished (or will never run): their shards may close."""
+    for c in copies:
+        c.held.users -= 1
+    source.settle()
+
+
+def assemble(plan: BatchPlan, outs: Sequence[np.ndarray]) -> dict[str, Any]:
+    """The batch dict over the filled field arrays ``outs``."""
+    batch: dict[str, Any] = {"__key__": plan.keys, "__index__": plan.index}
+    for j, name in enumerate(plan.names):
+        batch[name] = outs[j]
+        batch[name + OFFSETS] = plan.offsets[j]
+    return batch
+
+
+def fill(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool,
          outs: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Copy every member of ``plan`` out of the shards ``source`` holds into one batch dict,
     into ``outs`` (one uint8 array per field, of :func:`field_bytes` sizes) when given."""
     if outs is None:
         outs = [np.empty(n, np.uint8) for n in field_bytes(plan)]
+    for copy in prepare(source, plan, window, verify):
+        try:
+            copy_into([copy], outs)
+        finally:
+            done(source, [copy])
+    return assemble(plan, outs)
+
+
+def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool) -> dict[str, Any]:
+    """The batch ``plan`` describes with no copy at all: per field, a list of read-only uint8
+    arrays over the mapped shard files (one per sample, in batch order).
+
+    Each array keeps its shard's map alive, so it stays valid after the source lets go of the
+    shard, even if the cache then evicts the file: Linux keeps an unlinked file's pages (and
+    its disk space) until the last map of it goes.
+    """
+    n = len(plan)
+    fields: list[list[Any]] = [[None] * n for _ in plan.names]
     infos = source.ds.shard_list
     for s, (idx, mine) in plan.members.items():
         held = source.get(s, mine, window)
@@ -89,12 +179,12 @@ def fill(source: Any, plan: BatchPlan, window: Sequence[Run], verify: bool,
             rows = source.rows(s)
             for k in mine.tolist():
                 verify_sample(held.view, held.base, rows, k, f"shard {s} ({infos[s].path})")
-        for j, out in enumerate(outs):
-            copy_members(out, plan.offsets[j][idx], held.array, plan.starts[idx, j] - held.base, plan.sizes[idx, j])
+        arr, at = held.array, idx.tolist()
+        for j, out in enumerate(fields):
+            for k, a, ln in zip(at, (plan.starts[idx, j] - held.base).tolist(), plan.sizes[idx, j].tolist()):
+                out[k] = arr[a:a + ln]
     batch: dict[str, Any] = {"__key__": plan.keys, "__index__": plan.index}
-    for j, name in enumerate(plan.names):
-        batch[name] = outs[j]
-        batch[name + OFFSETS] = plan.offsets[j]
+    batch.update(zip(plan.names, fields))
     return batch
 
 
@@ -110,3 +200,50 @@ def copy_members(out: np.ndarray, dst: np.ndarray, src: np.ndarray, starts: np.n
     mo, ms = memoryview(out.data), memoryview(src.data)  # type: ignore[arg-type]
     for d, a, ln in zip(dst.tolist(), starts.tolist(), sizes.tolist()):
         mo[d:d + ln] = ms[a:a + ln]
+
+
+def read_members(fd: int, outs: Sequence[np.ndarray], dsts: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                 where: str) -> None:
+    """``outs[j][dsts[k, j]:+sizes[k, j]] = file[starts[k, j]:+sizes[k, j]]`` for every member.
+
+    Members are taken in file order; each ``os.preadv`` reads one stretch of the file whose
+    members go straight to their place in ``outs`` and whose gaps go to a scratch buffer, so
+    a batch of consecutive samples is a few calls and every byte is copied once, by the kernel.
+    """
+    order = np.argsort(starts, axis=None, kind="stable")
+    nf = starts.shape[1]
+    mvs = [memoryview(o.data) for o in outs]  # type: ignore[arg-type]
+    iov: list[memoryview] = []
+    call_at = pos = -1
+    for a, n, j, d in zip(starts.reshape(-1)[order].tolist(), sizes.reshape(-1)[order].tolist(),
+                          (order % nf).tolist(), dsts.reshape(-1)[order].tolist()):
+        if n == 0:
+            continue
+        if pos >= 0 and (a < pos or a - pos > _GAP_MAX or len(iov) >= _IOV_MAX - 1):
+            _preadv_all(fd, iov, call_at, pos - call_at, where)
+            iov, pos = [], -1
+        if pos < 0:
+            call_at = pos = a
+        elif a > pos:
+            iov.append(_SCRATCH[:a - pos])
+        iov.append(mvs[j][d:d + n])
+        pos = a + n
+    if iov:
+        _preadv_all(fd, iov, call_at, pos - call_at, where)
+
+
+def _preadv_all(fd: int, iov: list[memoryview], offset: int, want: int, where: str) -> None:
+    # A regular file gives short reads only at its end (a cached file changed under us) or
+    # past Linux's 2 GiB per call: carry on from where the kernel stopped.
+    while True:
+        got = os.preadv(fd, iov, offset)
+        want -= got
+        if want == 0:
+            return
+        if got == 0:
+            raise IntegrityError(f"{where}: cached file ends early ({want} bytes missing at offset {offset})")
+        offset += got
+        while got >= len(iov[0]):
+            got -= len(iov[0])
+            iov = iov[1:]
+        iov[0] = iov[0][got:]
