@@ -96,6 +96,17 @@ TOUCH_STRIDE = 64  # one byte per cache line: every line of the payload is read 
 _touched = [0, 0]  # [payload bytes seen, running checksum] (the sum keeps the reads from being skipped)
 
 
+def _flat_bytes(v: Any) -> Any:
+    """``v`` as a flat uint8 array without a copy (bytes-likes, contiguous arrays), else None."""
+    import numpy as np
+
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return np.frombuffer(v, dtype=np.uint8)
+    if isinstance(v, np.ndarray) and v.dtype != object and v.flags.c_contiguous:
+        return v.reshape(-1).view(np.uint8)
+    return None
+
+
 def _touch(v: Any) -> int:
     """Read every cache line of ``v``'s payload (strided uint8 sum); returns its size in bytes."""
     import numpy as np
@@ -113,6 +124,13 @@ def _touch(v: Any) -> int:
         _touched[1] += int(flat[::TOUCH_STRIDE].sum())
         return flat.nbytes
     if isinstance(v, (list, tuple)):
+        flat_parts = [_flat_bytes(x) for x in v]
+        if v and all(p is not None for p in flat_parts):
+            # One numpy pass per list (the strided views of every member, joined): the same
+            # cache lines as member by member, without ~5 us of Python per member.
+            parts = [p for p in flat_parts if p is not None]
+            _touched[1] += int(np.concatenate([p[::TOUCH_STRIDE] for p in parts]).sum())
+            return sum(p.nbytes for p in parts)
         return sum(_touch(x) for x in v)
     if isinstance(v, dict):
         return sum(_touch(x) for k, x in v.items()
