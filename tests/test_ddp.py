@@ -123,14 +123,15 @@ def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str
 
     def sample() -> None:
         while not stop.is_set():
-            total = 0
+            sizes: dict[int, int] = {}  # by inode: a download renamed from .tmp/ mid-walk is seen twice
             for root, _, files in os.walk(cache):
                 for f in files:
                     try:
-                        total += os.stat(os.path.join(root, f)).st_size
+                        st = os.stat(os.path.join(root, f))
                     except FileNotFoundError:
-                        pass
-            peak[0] = max(peak[0], total)
+                        continue
+                    sizes[st.st_ino] = st.st_size
+            peak[0] = max(peak[0], sum(sizes.values()))
             time.sleep(0.005)
 
     t = threading.Thread(target=sample, daemon=True)
