@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.bench_read [--count 3000]
 
 One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.sampledata; every reader
-uses 2 workers and batch 256 and its consumer reads every payload byte (common.touch_count).
+uses 2 workers (or 2 read threads) and batch 256, and its consumer reads every payload byte
+(common.touch_count).
 Writes benchmarks/results/read.json.
 """
 
@@ -79,12 +80,17 @@ def main() -> None:
         rec("ceiling: S3 ranged GET x8", time.perf_counter() - t0, ds.num_samples, sbytes)
 
         def stream(handoff: str | None, cache: Path) -> tuple[float, int]:
-            # Batched rows: StreamingDataset(batch_size=256) + shardkit.StreamingDataLoader
-            # (handoff "ring" = workers fill shared memory, only descriptors through the pipe;
-            # "copy" = filled batches through the pipe). Per-sample row: torch DataLoader with
-            # shardkit's collate, batch 256. Every row reads every payload byte it gets.
-            sd = StreamingDataset(url, cache_dir=cache, batch_size=256 if handoff else None, shuffle=False)
-            loader = (StreamingDataLoader(sd, num_workers=2, handoff=handoff, persistent_workers=False) if handoff
+            # Batched rows: StreamingDataset(batch_size=256) + shardkit.StreamingDataLoader.
+            # "zerocopy": num_workers=0, zero_copy=True: per-sample views into the mapped cache
+            # files, no copy. "threads": num_workers=0, the dataset's 2 read threads fill
+            # packed batches in this process. "ring": 2 workers fill shared memory, only descriptors go through the
+            # pipe. "copy": 2 workers send filled batches through the pipe. Per-sample row: torch
+            # DataLoader with shardkit's collate, batch 256, 2 workers. Every row reads every
+            # payload byte it gets.
+            sd = StreamingDataset(url, cache_dir=cache, batch_size=256 if handoff else None, shuffle=False,
+                                  zero_copy=handoff == "zerocopy")
+            loader = (StreamingDataLoader(sd, num_workers=0) if handoff in ("threads", "zerocopy")
+                      else StreamingDataLoader(sd, num_workers=2, handoff=handoff, persistent_workers=False) if handoff
                       else DataLoader(sd, batch_size=256, num_workers=2, collate_fn=collate, persistent_workers=False))
             touched_bytes(reset=True)
             sec, n = time_loader(loader, touch_count)
@@ -92,16 +98,25 @@ def main() -> None:
             assert seen >= total_bytes, f"consumer read {seen} bytes, expected >= {total_bytes}"
             return sec, n
 
-        for handoff, label in (("ring", "batched (ring handoff)"), ("copy", "batched (copy)"), (None, "raw per-sample")):
+        for handoff, label in (("zerocopy", "batched (zero-copy views)"), ("threads", "batched (2 read threads)"),
+                               ("ring", "batched (ring handoff)"),
+                               ("copy", "batched (copy)"), (None, "raw per-sample")):
             cache = work / f"cache-{handoff}"
             sec, n = stream(handoff, cache)
             rec(f"shardkit cold {label}", sec, n, sbytes)
-            sec, n = stream(handoff, cache)
+            # Warm: the best of three epochs (each a new loader), as the cat ceiling below is
+            # the best of three passes.
+            warm = [stream(handoff, cache) for _ in range(3)]
+            sec, n = min(warm)
             rec(f"shardkit warm {label}", sec, n, sbytes)
-        cached = [str(p) for p in (work / "cache-ring").rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
-        t0 = time.perf_counter()
-        subprocess.run(["cat", *cached], stdout=subprocess.DEVNULL, check=True)
-        rec("ceiling: cat cached shards", time.perf_counter() - t0, ds.num_samples, sbytes)
+            out[f"shardkit warm {label}"]["all_seconds"] = [round(w[0], 4) for w in warm]
+        cached = [str(p) for p in (work / "cache-threads").rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+        best = float("inf")
+        for _ in range(3):  # the best of three: a conservative (high) ceiling
+            t0 = time.perf_counter()
+            subprocess.run(["cat", *cached], stdout=subprocess.DEVNULL, check=True)
+            best = min(best, time.perf_counter() - t0)
+        rec("ceiling: cat cached shards", best, ds.num_samples, sbytes)
 
         def touch_list(b: list) -> int:  # a list of bytes / arrays: read it like every other row
             touch_count({"payload": b})
@@ -139,14 +154,21 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     r = {k: v["MB_per_s"] for k, v in out.items()}
     ratios = {
+        "cold zero-copy / GET ceiling": r["shardkit cold batched (zero-copy views)"] / r["ceiling: S3 ranged GET x8"],
+        "cold threads / GET ceiling": r["shardkit cold batched (2 read threads)"] / r["ceiling: S3 ranged GET x8"],
         "cold ring / GET ceiling": r["shardkit cold batched (ring handoff)"] / r["ceiling: S3 ranged GET x8"],
         "cold copy / GET ceiling": r["shardkit cold batched (copy)"] / r["ceiling: S3 ranged GET x8"],
+        "warm zero-copy / cat": r["shardkit warm batched (zero-copy views)"] / r["ceiling: cat cached shards"],
+        "warm threads / cat": r["shardkit warm batched (2 read threads)"] / r["ceiling: cat cached shards"],
         "warm ring / cat": r["shardkit warm batched (ring handoff)"] / r["ceiling: cat cached shards"],
         "warm copy / cat": r["shardkit warm batched (copy)"] / r["ceiling: cat cached shards"],
         "warm per-sample / cat": r["shardkit warm raw per-sample"] / r["ceiling: cat cached shards"],
-        "warm ring / per-object": r["shardkit warm batched (ring handoff)"] / r["baseline: get_object per image"],
+        "warm zero-copy / per-object": r["shardkit warm batched (zero-copy views)"] / r["baseline: get_object per image"],
+        "cold zero-copy / per-object": r["shardkit cold batched (zero-copy views)"] / r["baseline: get_object per image"],
+        "warm threads / per-object": r["shardkit warm batched (2 read threads)"] / r["baseline: get_object per image"],
+        "cold threads / per-object": r["shardkit cold batched (2 read threads)"] / r["baseline: get_object per image"],
         "cold ring / per-object": r["shardkit cold batched (ring handoff)"] / r["baseline: get_object per image"],
-        "warm ring / cv2.imread": r["shardkit warm batched (ring handoff)"] / r["baseline: cv2.imread per file"],
+        "warm threads / cv2.imread": r["shardkit warm batched (2 read threads)"] / r["baseline: cv2.imread per file"],
     }
     for k, v in ratios.items():
         print(f"{k:40s} {v:8.2f}x")

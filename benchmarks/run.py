@@ -38,12 +38,14 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
               ("local files, open+read per file", "warm", "loader"),
               ("local files, cv2.imread + crop per file", "decoded", "loader")],
     "shardkit_peer": [("shardkit pack (local engine)", "pack", "pack")] + [
-        (f"shardkit {m}, {g}", g, "loader") for m in ("per-sample dicts", "in-worker batches (ring handoff)",
+        (f"shardkit {m}, {g}", g, "loader") for m in ("per-sample dicts", "zero-copy views (num_workers=0)",
+                                                     "packed batches, 2 read threads (num_workers=0)",
+                                                     "in-worker batches (ring handoff)",
                                                      "in-worker batches (copy handoff)") for g in ("cold", "warm")] + [
         (STEADY_ROW, "warm", "loader")] + [
         (f"shardkit {m}, decoded", "decoded", "loader") for m in ("per-sample dicts", "in-worker batches")],
     "ceilings": [("ceiling: S3 ranged GET x8 threads, same shards", "cold", "ceiling"),
-                 ("ceiling: cat cached shard files (8 MB reads)", "warm", "ceiling")],
+                 ("ceiling: cat of the cached shard files (best of 3)", "warm", "ceiling")],
     "wds_peer": [("webdataset ShardWriter + upload", "pack", "pack"),
                  ("webdataset S3, no cache", "cold", "loader"),
                  ("webdataset S3 + cache_dir, cold", "cold", "loader"),

@@ -23,11 +23,14 @@ EXPECTED_ROWS = {
     "S3 object per image (boto3 get_object)", "local files, open+read per file",
     "local files, cv2.imread + crop per file",
     "shardkit per-sample dicts, cold", "shardkit per-sample dicts, warm", "shardkit per-sample dicts, decoded",
+    "shardkit zero-copy views (num_workers=0), cold", "shardkit zero-copy views (num_workers=0), warm",
+    "shardkit packed batches, 2 read threads (num_workers=0), cold",
+    "shardkit packed batches, 2 read threads (num_workers=0), warm",
     "shardkit in-worker batches (ring handoff), cold", "shardkit in-worker batches (ring handoff), warm",
     "shardkit in-worker batches (copy handoff), cold", "shardkit in-worker batches (copy handoff), warm",
     "shardkit in-worker batches, decoded",
     "shardkit in-worker batches (ring handoff), warm, 3rd epoch of one loader (persistent workers)",
-    "ceiling: S3 ranged GET x8 threads, same shards", "ceiling: cat cached shard files (8 MB reads)",
+    "ceiling: S3 ranged GET x8 threads, same shards", "ceiling: cat of the cached shard files (best of 3)",
 }
 
 

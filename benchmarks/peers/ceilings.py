@@ -1,13 +1,15 @@
 """Ceilings on the same shard bytes shardkit reads: what the storage and the disk can give.
 
 cold: parallel ranged GETs (boto3, 8 threads) of every shard object into preallocated buffers.
-warm: ``cat`` of the cached shard files (8 MB chunks, readinto one buffer).
+warm: ``cat`` (the coreutils binary, to /dev/null) of the cached shard files, best of three
+passes; a Python pass of 8 MB ``readinto`` calls into one buffer is recorded with it.
 Rates are shown as samples/s equivalents (the shards hold every sample once).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,13 +61,16 @@ def ranged_get(bucket: str, prefix: str, n: int) -> dict[str, Any]:
                seconds=seconds, nbytes=total)
 
 
+CAT_ROW = "ceiling: cat of the cached shard files (best of 3)"
+
+
 def cat(cache_dir: str, n: int) -> dict[str, Any]:
     files = [p for p in Path(cache_dir).rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
     if not files:
         raise FileNotFoundError(f"no cached shard files under {cache_dir}")
     buf = memoryview(bytearray(CHUNK))
 
-    def one_pass() -> tuple[float, int]:
+    def readinto_pass() -> tuple[float, int]:
         total = 0
         t0 = time.perf_counter()
         for p in files:
@@ -77,14 +82,20 @@ def cat(cache_dir: str, n: int) -> dict[str, Any]:
                     total += k
         return time.perf_counter() - t0, total
 
+    def cat_pass() -> float:
+        t0 = time.perf_counter()
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t0
+
     # The warm loader rows read files their own previous epoch just pulled into the page cache;
-    # this cache was filled minutes earlier and may have been evicted since, so the first pass
-    # (reported as first_pass_*) warms the page cache and the second is the ceiling.
-    first_s, first_total = one_pass()
-    seconds, total = one_pass()
-    return row("ceiling: cat cached shard files (8 MB reads)", "warm", TOOL, kind="ceiling", samples=n,
-               seconds=seconds, nbytes=total, first_pass_seconds=round(first_s, 3),
-               first_pass_mb_per_s=round(first_total / first_s / 1e6, 1))
+    # this cache was filled minutes earlier and may have been evicted since, so a first pass
+    # (reported as first_pass_*) warms the page cache; the ceiling is the best of the next three.
+    first_s, total = readinto_pass()
+    readinto_s = min(readinto_pass()[0] for _ in range(2))
+    seconds = min(cat_pass() for _ in range(3))
+    return row(CAT_ROW, "warm", TOOL, kind="ceiling", samples=n, seconds=seconds, nbytes=total,
+               first_pass_seconds=round(first_s, 3), first_pass_mb_per_s=round(total / first_s / 1e6, 1),
+               readinto_8mb_mb_per_s=round(total / readinto_s / 1e6, 1))
 
 
 def main() -> None:
@@ -95,10 +106,9 @@ def main() -> None:
             lambda: ranged_get(cfg["bucket"], "shardkit/shards/", n), kind="ceiling")
     cache = cfg.get("shardkit_cache")
     if cache and os.path.isdir(cache):
-        guarded(rows, "ceiling: cat cached shard files (8 MB reads)", "warm", TOOL, lambda: cat(cache, n),
-                kind="ceiling")
+        guarded(rows, CAT_ROW, "warm", TOOL, lambda: cat(cache, n), kind="ceiling")
     else:
-        rows.append(failed_row("ceiling: cat cached shard files (8 MB reads)", "warm", TOOL,
+        rows.append(failed_row(CAT_ROW, "warm", TOOL,
                                "shardkit cache not populated", kind="ceiling"))
     finish(rows, ["boto3"])
 

@@ -1,8 +1,9 @@
 """shardkit rows: pack to S3, then StreamingDataset through a DataLoader.
 
-Per-sample mode (one dict per sample, torch DataLoader batches with shardkit's collate) and
-in-worker batching (``batch_size=256`` + ``shardkit.StreamingDataLoader``, once with the shared
-ring handoff and once with ``handoff="copy"``), each cold (empty node cache, shards from S3) then
+Per-sample mode (one dict per sample, torch DataLoader batches with shardkit's collate),
+batches in the main process (``batch_size=256`` + ``shardkit.StreamingDataLoader(num_workers=0)``:
+zero-copy views, and packed batches filled by 2 read threads) and in-worker batching (2
+workers, once with the shared ring handoff and once with ``handoff="copy"``), each cold (empty node cache, shards from S3) then
 warm (second epoch from the cache), and decoded (``CenterCrop(224)``, warm cache).
 Every row's consumer reads every payload byte it receives (``benchmarks.common.touch_count``).
 """
@@ -46,20 +47,27 @@ def main() -> None:
 
     packed = guarded(rows, "shardkit pack (local engine)", "pack", TOOL, do_pack, kind="pack")
 
-    def stream(cache: str, batched: bool, decode: Any = None) -> Any:
+    def stream(cache: str, batched: bool, decode: Any = None, zero_copy: bool = False) -> Any:
         return shardkit.StreamingDataset(url, cache_dir=cache, cache_limit="50GB", shuffle=False, decode=decode,
-                                         batch_size=256 if batched else None, storage_options=opts)
+                                         batch_size=256 if batched else None, storage_options=opts,
+                                         zero_copy=zero_copy)
 
     def per_sample(ds: Any) -> Any:
         return lambda: loader(ds, collate_fn=collate, persistent_workers=False)
 
     def batches(ds: Any, handoff: str) -> Any:
-        # In-worker batches go through shardkit.StreamingDataLoader (what its docs use): with a
-        # raw (decode=None) stream "auto" picks the shared ring; "copy" forces DataLoader pickling.
+        # Batches go through shardkit.StreamingDataLoader (what its docs use): in workers, with
+        # a raw (decode=None) stream "auto" picks the shared ring, "copy" forces DataLoader
+        # pickling; "main" is num_workers=0: the dataset's 2 read threads fill packed batches,
+        # or (zero_copy) no copy is made at all.
+        if handoff == "main":
+            return lambda: shardkit.StreamingDataLoader(ds, num_workers=0)
         return lambda: shardkit.StreamingDataLoader(ds, num_workers=WORKERS, handoff=handoff,
                                                     persistent_workers=False)
 
     plans = [("per-sample dicts", None, "cache"),
+             ("zero-copy views (num_workers=0)", "main", "cache-zero-copy"),
+             ("packed batches, 2 read threads (num_workers=0)", "main", "cache-threads"),
              ("in-worker batches (ring handoff)", "ring", "cache-ring"),
              ("in-worker batches (copy handoff)", "copy", "cache-copy")]
     for label, handoff, cache_name in plans:
@@ -69,7 +77,7 @@ def main() -> None:
         if packed["status"] != "ok":
             rows.extend(failed_row(nm, g, TOOL, "pack failed") for nm, g in names)
             continue
-        ds = stream(cache, handoff is not None)
+        ds = stream(cache, handoff is not None, zero_copy=label.startswith("zero-copy"))
         make = per_sample(ds) if handoff is None else batches(ds, handoff)
         for nm, g in names:
             guarded(rows, nm, g, TOOL, lambda nm=nm, g=g: epoch_row(nm, g, TOOL, make, nbytes, n,
