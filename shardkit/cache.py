@@ -28,6 +28,8 @@ import time
 from contextlib import contextmanager
 from typing import BinaryIO, Callable, Iterator, Optional, Sequence, cast
 
+import xxhash
+
 from .cachefs import (
     CacheEntry,
     FileLock,
@@ -60,11 +62,10 @@ _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
 Fetch = Callable[[ShardRef, BinaryIO, int], None]
 """``fetch(ref, out, start)`` writes bytes ``[start, ref.size)`` of the shard into ``out``."""
 
-FetchInto = Callable[[ShardRef, int, int], Optional[int]]
-"""``fetch(ref, fd, start)`` writes bytes ``[start, ref.size)`` of the shard at their offsets
-of the open temp file ``fd`` (already ``ref.size`` long), in any order, e.g. with parallel
-ranged GETs and ``os.pwrite``. It may return the bytes it moved (else the cache counts
-``ref.size - start``). Mark it with :func:`positional`.
+FetchInto = Callable[[ShardRef, memoryview, int], Optional[int]]
+"""``fetch(ref, view, start)`` fills ``view[start:]`` (``view`` is the whole shard: a writable
+map of the temp file) in any order, e.g. with parallel ranged GETs. It may return the bytes it
+moved (else the cache counts ``ref.size - start``). Mark it with :func:`positional`.
 
 The cache verifies size and xxh3-128 of the whole file after it returns, exactly as for a
 :data:`Fetch`. Parts land out of order, so the length of a partial file means nothing: when a
@@ -432,20 +433,31 @@ class ShardCache:
                              f"xxh3 {ref.checksum}) twice; last got {pos} bytes with xxh3 {digest}")
 
     def _fetch_into(self, ref: ShardRef, fetch: FetchInto, fd: int) -> tuple[int, str]:
-        """Run a positional fetch into the temp file ``fd``, from byte 0.
+        """Run a positional fetch into a writable map of the temp file ``fd``, from byte 0.
 
         Returns (file size, xxh3-128 of the whole file). On failure the file is emptied (its
         name keeps the reservation), so whoever tries next starts from 0, and the error is raised.
         """
         os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by preallocate)
+        mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE) if ref.size else None
+        view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
         try:
-            moved = fetch(ref, fd, 0)
-        except BaseException:
-            os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
-            raise
-        self._add("bytes_fetched", ref.size if moved is None else moved)
-        # One pass over the file, ~10 GB/s: the bytes are still in the page cache.
-        return os.fstat(fd).st_size, hash_fd(fd, ref.size)
+            try:
+                moved = fetch(ref, view, 0)
+            except BaseException:
+                os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
+                raise
+            self._add("bytes_fetched", ref.size if moved is None else moved)
+            # One pass over the map, ~10 GB/s; the bytes are still in the page cache.
+            digest = xxhash.xxh3_128_hexdigest(mm if mm is not None else b"")
+            return os.fstat(fd).st_size, digest
+        finally:
+            try:
+                view.release()
+                if mm is not None:
+                    mm.close()
+            except BufferError:  # the fetch kept a slice: unmapped when that is dropped
+                log.debug("cache: shard %s: fetch still holds a view of the temp file", ref.name)
 
     def _reserve(self, ref: ShardRef, file: str, prefetch: _Prefetch) -> tuple[str, int] | None:
         """A temp file that counts ``ref.size``, and the bytes already in it.

@@ -23,7 +23,6 @@ optional ``counter``, so callers and tests can check what a partial read really 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +34,13 @@ from .errors import ConfigError, ShardkitError
 from .storage import (RETRY_ATTEMPTS, Store, backoff_delay, boto_settings, is_transient, s3_client,
                       translate)
 
-__all__ = ["ByteCounter", "TOTAL", "read_into", "read_into_file", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
+__all__ = ["ByteCounter", "TOTAL", "read_into", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_CONCURRENCY = 8
 _READ_CHUNK = 4 * 2**20  # one readinto call; small enough to count progress for resume
-_BOUNCE = 1 * 2**20  # read_into_file: socket -> this buffer -> file, per part
 
 Transport = Literal["auto", "boto3", "fsspec"]
 
@@ -116,33 +114,6 @@ class _Part:
         TOTAL.add(requests=1)
         if self.counter is not None:
             self.counter.add(requests=1)
-
-
-class _FilePart(_Part):
-    """Bytes ``[pos, end)`` of the object, written at the same offsets of the file ``fd``.
-
-    They pass through a small reused buffer (cache-resident, so the extra copy is cheap) and
-    ``os.pwrite``: page-cache pages filled by write() come in large folios, which later reads
-    and maps of the file walk much faster than pages filled through a shared map (a zero-copy
-    read of a cached shard: ~1.7x here).
-    """
-
-    def __init__(self, fd: int, start: int, end: int, counter: ByteCounter | None) -> None:
-        super().__init__(memoryview(b""), start, start, end, counter)
-        self.fd = fd
-        self._bounce: memoryview | None = None
-
-    def dest(self, nbytes: int) -> memoryview:
-        if self._bounce is None:
-            self._bounce = memoryview(bytearray(_BOUNCE))
-        return self._bounce[: min(nbytes, _BOUNCE, self.end - self.pos)]
-
-    def landed(self, n: int) -> None:
-        assert self._bounce is not None
-        done = 0
-        while done < n:
-            done += os.pwrite(self.fd, self._bounce[done:n], self.pos + done)
-        super().landed(n)
 
 
 Reader = Callable[[_Part], None]
@@ -265,28 +236,7 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
     view = _as_bytes_view(out)
     if len(view) != end - start:
         raise ConfigError(f"read_into: out holds {len(view)} bytes, range [{start}, {end}) of {path} is {end - start}")
-    bounds = list(range(start, end, part_size)) + [end]
-    _run_parts(store, path, [_Part(view, start, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])],
-               concurrency, transport)
-
-
-def read_into_file(store: Store, path: str, start: int, end: int, fd: int, part_size: int = DEFAULT_PART_SIZE,
-                   concurrency: int = DEFAULT_CONCURRENCY, *, transport: Transport = "auto",
-                   counter: ByteCounter | None = None) -> None:
-    """Like :func:`read_into`, but each byte ``i`` of ``[start, end)`` is written at offset
-    ``i`` of the open file ``fd`` (with ``os.pwrite``; the file should already be that long).
-    Parts land in any order."""
-    if start < 0 or end < start:
-        raise ConfigError(f"read_into_file: bad range [{start}, {end}) of {path}")
-    if part_size <= 0 or concurrency <= 0:
-        raise ConfigError(f"read_into_file: part_size and concurrency must be positive, got {part_size}, {concurrency}")
-    bounds = list(range(start, end, part_size)) + [end]
-    _run_parts(store, path, [_FilePart(fd, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])],
-               concurrency, transport)
-
-
-def _run_parts(store: Store, path: str, parts: list[_Part], concurrency: int, transport: Transport) -> None:
-    if not parts or parts[0].pos == parts[-1].end:
+    if end == start:
         return
     kind = choose_transport(store, transport)
     if kind == "boto3":
@@ -295,6 +245,8 @@ def _run_parts(store: Store, path: str, parts: list[_Part], concurrency: int, tr
         read = _boto_reader(s3_client(store.storage_options, max_pool=concurrency), bucket, key, extra)
     else:
         read = _fsspec_reader(store, path)
+    bounds = list(range(start, end, part_size)) + [end]
+    parts = [_Part(view, start, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])]
     where = store.where
     if len(parts) == 1 or concurrency == 1:
         for part in parts:

@@ -31,10 +31,8 @@ from .storage import Store
 Run = tuple[int, np.ndarray]
 
 # Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
-# FETCH_CONCURRENCY at a time per shard, read with readinto into a 1 MiB buffer and written at
-# their offsets of the temp file (pwrite: the page cache then holds large folios, which warm
-# reads walk faster than pages filled through a map; the measurements below were made with
-# readinto straight into a map of the temp file). Measured on the 2-core benchmark box (SeaweedFS on
+# FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
+# file (one copy, socket -> page cache). Measured on the 2-core benchmark box (SeaweedFS on
 # loopback, 20 x 64 MB shards, 2 workers): 0.84-0.91x the 8-way ranged-GET ceiling, against
 # 0.59-0.63x for one botocore stream written through a file (iter_chunks allocates every chunk,
 # then copies it again); 2 and 1 parts at a time tied here, 4 was up to 10% slower. Real S3
@@ -182,8 +180,8 @@ class ShardSource:
     def fetch(self) -> Fetch | FetchInto:
         """The cache's download callback for this store.
 
-        S3 with the boto3 transport: :meth:`fetch_ranged` (ranged GETs written at their offsets
-        of the temp file). Anything else: :meth:`fetch_stream` (one sequential stream).
+        S3 with the boto3 transport: :meth:`fetch_ranged` (ranged GETs into the map of the
+        temp file). Anything else: :meth:`fetch_stream` (one sequential stream).
         """
         if self._ranged is None:
             self._ranged = ranged.choose_transport(self.store) == "boto3"
@@ -197,15 +195,14 @@ class ShardSource:
         self.store.fetch_into(ref.name, out, start, ref.size, progress=count)
 
     @positional
-    def fetch_ranged(self, ref: ShardRef, fd: int, start: int) -> int:
-        """Write bytes ``[start, size)`` into the temp file ``fd`` with ranged GETs of
-        ``FETCH_PART_SIZE``, ``FETCH_CONCURRENCY`` at a time; a shard of fewer than two parts is
-        one GET in this thread. Each part resumes on its own after a transient fault. Returns
-        the bytes that landed."""
+    def fetch_ranged(self, ref: ShardRef, view: memoryview, start: int) -> int:
+        """Fill ``view[start:]`` with ranged GETs of ``FETCH_PART_SIZE``, ``FETCH_CONCURRENCY``
+        at a time; a shard of fewer than two parts is one GET in this thread. Each part resumes
+        on its own after a transient fault. Returns the bytes that landed."""
         counter = ranged.ByteCounter()
         try:
-            ranged.read_into_file(self.store, ref.name, start, ref.size, fd, part_size=FETCH_PART_SIZE,
-                                  concurrency=FETCH_CONCURRENCY, transport="boto3", counter=counter)
+            ranged.read_into(self.store, ref.name, start, ref.size, view[start:], part_size=FETCH_PART_SIZE,
+                             concurrency=FETCH_CONCURRENCY, transport="boto3", counter=counter)
         finally:
             with self._fetched_mu:
                 self.bytes_fetched += counter.bytes

@@ -1,4 +1,4 @@
-"""Positional (parallel ranged) cache downloads: a fetch that writes parts at their offsets of the temp file.
+"""Positional (parallel ranged) cache downloads: a fetch that fills a writable map of the temp file.
 
 Local files stand in for the object store (as in test_cache.py); the last test runs a cold epoch
 through ShardSource's ranged-GET fetch against the real SeaweedFS fixture.
@@ -38,10 +38,10 @@ class PosRemote:
     def data(self, name: str) -> bytes:
         return (Path(self.src) / name.replace("/", "_")).read_bytes()
 
-    def __call__(self, ref: ShardRef, fd: int, start: int) -> int:
+    def __call__(self, ref: ShardRef, view: memoryview, start: int) -> int:
         with open(self.log, "a") as f:
             f.write(f"{ref.name} {start} {os.getpid()}\n")
-        assert os.fstat(fd).st_size == ref.size  # full size before any part lands
+        assert len(view) == ref.size and not view.readonly
         data = self.data(ref.name)
         bounds = list(range(start, len(data), self.part))[::-1]  # out of order on purpose
         done = [0]
@@ -53,14 +53,13 @@ class PosRemote:
                     raise ConnectionError(f"injected reset before byte {lo}")
                 done[0] += 1
             hi = min(len(data), lo + self.part)
-            assert os.pwrite(fd, data[lo:hi], lo) == hi - lo
+            view[lo:hi] = data[lo:hi]
 
         with ThreadPoolExecutor(4) as pool:
             for fut in [pool.submit(one, lo) for lo in bounds]:
                 fut.result()
         if self.corrupt and ref.size:
-            mid = ref.size // 2
-            os.pwrite(fd, bytes([data[mid] ^ 0xFF]), mid)
+            view[ref.size // 2] ^= 0xFF
         return ref.size - start
 
     def calls(self) -> list[tuple[str, int]]:
@@ -76,28 +75,28 @@ def pos_store(tmp_path: Path, sizes: list[int]) -> tuple[Store, PosRemote]:
 
 def test_marking() -> None:
     @positional
-    def f(ref: ShardRef, fd: int, start: int) -> None:
+    def f(ref: ShardRef, view: memoryview, start: int) -> None:
         pass
 
     class Src:
         @positional
-        def fetch(self, ref: ShardRef, fd: int, start: int) -> None:
+        def fetch(self, ref: ShardRef, view: memoryview, start: int) -> None:
             pass
 
     assert is_positional(f) and is_positional(Src().fetch) and is_positional(PosRemote("", ""))
     assert not is_positional(lambda r, o, s: None)
 
 
-def test_positional_fetch_fills_file_verifies_and_publishes(tmp_path: Path) -> None:
+def test_positional_fetch_fills_map_verifies_and_publishes(tmp_path: Path) -> None:
     s, pos = pos_store(tmp_path, [3 * MB + 5, 1 * MB, 0])
     seen: list[tuple[list[int], int, bool]] = []
 
     @positional
-    def spy(ref: ShardRef, fd: int, start: int) -> int:
+    def spy(ref: ShardRef, view: memoryview, start: int) -> int:
         # In flight: full size at once, under the name that carries the reservation.
         seen.append(([p.stat().st_size for p in s.temps()], cache.usage(), s.final(ref).exists()))
         assert [p.name for p in s.temps()] == [f"{s.final(ref).name}.{ref.size}.{os.getpid()}"]
-        return pos(ref, fd, start)
+        return pos(ref, view, start)
 
     with s.cache(100 * MB) as cache:
         for ref in s.refs * 2:
@@ -174,9 +173,9 @@ def test_corrupt_once_then_good_is_published(tmp_path: Path) -> None:
     tries: list[int] = []
 
     @positional
-    def flaky(r: ShardRef, fd: int, start: int) -> int:
+    def flaky(r: ShardRef, view: memoryview, start: int) -> int:
         tries.append(start)
-        return replace(pos, corrupt=len(tries) == 1)(r, fd, start)
+        return replace(pos, corrupt=len(tries) == 1)(r, view, start)
 
     with s.cache(10 * MB) as cache:
         with cache.open(ref, flaky) as shard:
@@ -189,10 +188,9 @@ def test_wrong_size_manifest_entry_fails_verification(tmp_path: Path) -> None:
     good = s.refs[0]
     for ref in (replace(good, size=good.size - 10), replace(good, size=good.size + 10)):
         @positional
-        def fetch(r: ShardRef, fd: int, start: int) -> None:
-            size = os.fstat(fd).st_size
-            data = pos.data(r.name)[:size]
-            os.pwrite(fd, data, 0)
+        def fetch(r: ShardRef, view: memoryview, start: int) -> None:
+            data = pos.data(r.name)[: len(view)]
+            view[: len(data)] = data
 
         with s.cache(10 * MB) as cache:
             with pytest.raises(IntegrityError, match="shard shards/shard-000000.tar"):
@@ -249,13 +247,13 @@ def test_cold_epoch_through_parallel_ranged_fetch_s3(s3_env: Any, s3_bucket: str
     monkeypatch.setattr(shardio, "FETCH_CONCURRENCY", 4)  # more parts at once than the default
 
     reads: list[tuple[str, int, int]] = []
-    real = ranged.read_into_file
+    real = ranged.read_into
 
-    def spy(store: Any, path: str, start: int, end: int, fd: int, *a: Any, **kw: Any) -> None:
+    def spy(store: Any, path: str, start: int, end: int, out: Any, *a: Any, **kw: Any) -> None:
         reads.append((path, start, end))
-        real(store, path, start, end, fd, *a, **kw)
+        real(store, path, start, end, out, *a, **kw)
 
-    monkeypatch.setattr(ranged, "read_into_file", spy)
+    monkeypatch.setattr(ranged, "read_into", spy)
     before = ranged.TOTAL.snapshot()
     sd = StreamingDataset(url, cache_dir=tmp_path / "c", batch_size=32)
     got = collect(sd)

@@ -233,38 +233,6 @@ def test_read_into_resumes_a_failed_part_from_the_byte_it_reached(tmp_path: Any,
     assert counter.snapshot() == {"bytes": len(out), "requests": 5}  # 4 parts + 1 resume, no byte twice
 
 
-def test_read_into_file_writes_every_part_at_its_offset_and_resumes(tmp_path: Any, monkeypatch: Any) -> None:
-    import os
-
-    data = np.random.default_rng(6).integers(0, 255, 3_000_000, dtype=np.uint8).tobytes()
-    (tmp_path / "obj").write_bytes(data)
-    store = Store(str(tmp_path))
-    real = ranged._fill
-    failed: list[int] = []
-
-    def flaky(part: Any, readinto: Any, what: str) -> None:
-        if not failed and part.pos == 1_500_500:  # third part: land some bytes, then reset
-            part.landed(readinto(part.dest(77_777)))
-            failed.append(part.pos)
-            raise ConnectionResetError("connection reset by peer")
-        real(part, readinto, what)
-
-    monkeypatch.setattr(ranged, "_fill", flaky)
-    monkeypatch.setattr(ranged, "backoff_delay", lambda attempt: 0.0)
-    fd = os.open(tmp_path / "copy", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, len(data))
-        counter = ranged.ByteCounter()
-        ranged.read_into_file(store, "obj", 500, len(data), fd, part_size=750_000, concurrency=3,
-                              counter=counter, transport="fsspec")
-    finally:
-        os.close(fd)
-    got = (tmp_path / "copy").read_bytes()
-    assert got[500:] == data[500:] and got[:500] == bytes(500)  # bytes land at their own offsets
-    assert failed == [1_500_500 + 77_777]
-    assert counter.snapshot() == {"bytes": len(data) - 500, "requests": 5}  # 4 parts + 1 resume, no byte twice
-
-
 def test_read_into_gives_up_on_permanent_faults(tmp_path: Any) -> None:
     store = Store(str(tmp_path))
     with pytest.raises(shardkit.errors.StorageError, match="missing"):
