@@ -37,6 +37,11 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         **kwargs: any other DataLoader argument (``num_workers``, ``pin_memory``,
             ``persistent_workers``, ``collate_fn``, ...).
 
+    For raw bytes, ``num_workers=0`` is often the fastest: the dataset then fills batches
+    with its own read threads (``StreamingDataset(read_threads=2)``), or hands out views of
+    the cache files with no copy at all (``StreamingDataset(zero_copy=True)``, which needs
+    ``num_workers=0``). Workers pay off for decoding and other per-sample Python work.
+
     ``state_dict()`` is ``dataset.state_dict(consumed=<samples yielded by this loader this
     epoch>)``; call it between steps and save it with the model. ``load_state_dict`` forwards.
     """

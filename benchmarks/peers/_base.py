@@ -12,7 +12,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.common import emit, failed_row, one_line, package_versions, row, time_loader, touch_count, touched_bytes
+from benchmarks.common import (emit, failed_row, one_line, package_versions, row, settle_disk, time_loader, touch_count,
+                               touched_bytes)
 
 WORKERS = 2
 BATCH = 256
@@ -56,6 +57,7 @@ def loader(ds: Any, **kw: Any) -> Any:
 def epoch_row(name: str, group: str, tool: str, make: Callable[[], Any], nbytes: int, expect: int | None = None,
               **extra: Any) -> dict[str, Any]:
     """Time one epoch of ``make()``; a short epoch is reported as failed, never as fast."""
+    settle_disk()
     touched_bytes(reset=True)
     seconds, n = time_loader(make(), touch_count)  # every row reads every payload byte it receives
     extra["touched_bytes"] = touched_bytes(reset=True)
