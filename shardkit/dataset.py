@@ -33,8 +33,8 @@ from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remain
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
 from .reader import Dataset, manifest_copies_dir, sample_dict
 from .bufpool import BufferPool
-from .rawbatch import (BatchPlan, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch, prepare,
-                       view_batch)
+from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
+                       prepare, view_batch)
 from .ring import BatchRing, RingBatch
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
@@ -369,15 +369,19 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     def _view_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
         """Zero-copy batches (``zero_copy=True``): per field, a list of views into the maps."""
         first_sample = self.ds.shards.column("first_sample").to_numpy()
-        for pieces, carry, n in self._batch_pieces(runs):
-            plan = plan_batch(source, pieces, first_sample)
-            window = _Later(pieces, 0, carry, runs)
-            batch = (view_batch(source, plan, window, self.verify) if plan is not None
-                     else self._ragged_views(source, pieces, carry, runs, first_sample))
-            if self._tight:
-                source.release_all()  # the views keep their maps; only the pins go
-            yield _to_torch(batch)
-            self._tick(source, n)
+        warm = MapWarmer()
+        try:
+            for pieces, carry, n in self._batch_pieces(runs):
+                plan = plan_batch(source, pieces, first_sample)
+                window = _Later(pieces, 0, carry, runs)
+                batch = (view_batch(source, plan, window, self.verify, opened=warm) if plan is not None
+                         else self._ragged_views(source, pieces, carry, runs, first_sample))
+                if self._tight:
+                    source.release_all()  # the views keep their maps; only the pins go
+                yield _to_torch(batch)
+                self._tick(source, n)
+        finally:
+            warm.close()
 
     def _ragged_views(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead,
                       first_sample: np.ndarray) -> dict[str, Any]:

@@ -105,3 +105,50 @@ def test_ragged_fields_give_none_where_a_sample_lacks_one(tmp_path: Path) -> Non
             got[k] = (bytes(x), None if t is None else bytes(t))
     assert got == {d["__key__"]: (d["bin"], d.get("txt")) for d in data}
     assert mixed  # the per-sample (ragged) path ran
+
+
+def mapping_rss_kb(addr: int) -> int:
+    """Rss of the mapping that holds ``addr`` in this process (/proc/self/smaps)."""
+    with open(f"/proc/{os.getpid()}/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1])
+    raise AssertionError("no mapping")
+
+
+def _kernel() -> tuple[int, int]:
+    try:
+        major, minor = os.uname().release.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or _kernel() < (5, 14),
+                    reason="MADV_POPULATE_READ needs Linux 5.14+")
+def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
+    import mmap
+    import threading
+    from types import SimpleNamespace
+
+    from shardkit.rawbatch import MapWarmer
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 << 20))
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    arr = np.frombuffer(m, np.uint8)
+    assert mapping_rss_kb(arr.ctypes.data) < 1024  # a fresh map: nothing mapped in yet
+    held = SimpleNamespace(array=arr)
+    warm = MapWarmer()
+    warm(held)  # type: ignore[arg-type]
+    assert any(t.name.startswith("shardkit-map") for t in threading.enumerate())
+    warm(held)  # type: ignore[arg-type]  # once per shard
+    warm.close()
+    assert mapping_rss_kb(arr.ctypes.data) >= (8 << 10) - 64  # every page mapped, by the warmer
+    assert not any(t.name.startswith("shardkit-map") for t in threading.enumerate())
