@@ -262,6 +262,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._tight = self.cache_dir is not None and self._pin_budget(topo) < 1
         threads = self._fill_threads(topo, source, in_main)
         self._next_stats = time.monotonic() + _STATS_EVERY
+        batches: Iterator[Any] | None = None
         try:
             sched = schedule_shards(order, ranges)
             source.plan(sched)
@@ -282,6 +283,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     yield b
         finally:
             self._live = None
+            if batches is not None:
+                # Before the source closes: the batch generator stops its copy and map threads,
+                # which read files the source holds open.
+                batches.close()  # type: ignore[attr-defined]
             source.close()  # first: it waits for a prefetch in flight, which the final stats count
             self._save_stats(source, topo, final=True)
 
