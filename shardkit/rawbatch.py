@@ -16,6 +16,7 @@ import ctypes
 import mmap
 import os
 import sys
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -271,14 +272,12 @@ class MapWarmer:
     def __init__(self) -> None:
         self._madvise = _libc_madvise()
         self._pool: ThreadPoolExecutor | None = None
-        self._seen: dict[int, Held] = {}  # id -> held (kept so the id is not reused meanwhile)
+        self._seen: weakref.WeakSet[Held] = weakref.WeakSet()  # weak: a let-go shard's map may go
 
     def __call__(self, held: Held) -> None:
-        if self._madvise is None or id(held) in self._seen:
+        if self._madvise is None or held in self._seen:
             return
-        if len(self._seen) > 64:
-            self._seen.clear()
-        self._seen[id(held)] = held
+        self._seen.add(held)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-map")
         # The array keeps the map alive (the source cannot unmap it) until the call returns.

@@ -134,9 +134,12 @@ def _kernel() -> tuple[int, int]:
 def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
     import mmap
     import threading
-    from types import SimpleNamespace
 
     from shardkit.rawbatch import MapWarmer
+
+    class FakeHeld:  # what the warmer uses of a shardio.Held
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 << 20))
@@ -144,7 +147,7 @@ def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     arr = np.frombuffer(m, np.uint8)
     assert mapping_rss_kb(arr.ctypes.data) < 1024  # a fresh map: nothing mapped in yet
-    held = SimpleNamespace(array=arr)
+    held = FakeHeld(arr)
     warm = MapWarmer()
     warm(held)  # type: ignore[arg-type]
     assert any(t.name.startswith("shardkit-map") for t in threading.enumerate())
