@@ -93,7 +93,7 @@ def main() -> None:
             for _ in range(2):
                 for _batch in steady:
                     pass
-            return epoch_row(steady_name, "warm", TOOL, lambda: steady, nbytes, n, batched=True)
+            return epoch_row(steady_name, "warm", TOOL, lambda: steady, nbytes, n, epochs=1, batched=True)
         guarded(rows, steady_name, "warm", TOOL, steady_row)
     else:
         rows.append(failed_row(steady_name, "warm", TOOL, "pack failed"))
