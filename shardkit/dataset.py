@@ -380,7 +380,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 plan = plan_batch(source, pieces, first_sample)
                 window = _Later(pieces, 0, carry, runs)
                 batch = (view_batch(source, plan, window, self.verify, opened=warm) if plan is not None
-                         else self._ragged_views(source, pieces, carry, runs, first_sample))
+                         else self._ragged_views(source, pieces, carry, runs))
                 if self._tight:
                     source.release_all()  # the views keep their maps; only the pins go
                 yield _to_torch(batch)
@@ -388,17 +388,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         finally:
             warm.close()
 
-    def _ragged_views(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead,
-                      first_sample: np.ndarray) -> dict[str, Any]:
+    def _ragged_views(self, source: ShardSource, pieces: list[Run], carry: Run | None,
+                      runs: _Lookahead) -> dict[str, Any]:
         # Samples with different fields: the same lists, None where a sample lacks a field.
-        infos = self.ds.shard_list
-        samples = []
-        for i, (shard, p) in enumerate(pieces):
-            rows = source.rows(shard)
-            held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
-            for k in p.tolist():
-                samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
-                                           infos[shard].path, verify=held.verify and self.verify))
+        samples = self._piece_samples(source, pieces, carry, runs)
         names = list(dict.fromkeys(f for smp in samples for f in smp if not f.startswith("__")))
         batch: dict[str, Any] = {"__key__": [smp["__key__"] for smp in samples],
                                  "__index__": np.array([smp["__index__"] for smp in samples], np.int64)}
@@ -488,17 +481,22 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         return fill(source, plan, window, self.verify)
 
     def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
+        decoder = make_decoder("raw")
+        return collate([decoder(s) for s in self._piece_samples(source, pieces, carry, runs)])
+
+    def _piece_samples(self, source: ShardSource, pieces: list[Run], carry: Run | None,
+                       runs: _Lookahead) -> list[dict[str, Any]]:
+        """The sample dicts of a batch's ``pieces``, their fields views of the held shards."""
         first_sample = self.ds.shards.column("first_sample").to_numpy()
         infos = self.ds.shard_list
-        decoder = make_decoder("raw")
         samples = []
         for i, (shard, p) in enumerate(pieces):
             rows = source.rows(shard)
             held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
             for k in p.tolist():
-                samples.append(decoder(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
-                                                   infos[shard].path, verify=held.verify and self.verify)))
-        return collate(samples)
+                samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
+                                           infos[shard].path, verify=held.verify and self.verify))
+        return samples
 
     # ---- statistics -----------------------------------------------------------------------
 
