@@ -18,15 +18,19 @@ OFFSETS = ".offsets"
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Build one batch from sample dicts (all with the same fields)."""
+    """Build one batch from sample dicts. A field that some samples lack stays a list, with
+    ``None`` for those samples (as in a zero-copy batch)."""
     batch: dict[str, Any] = {
         "__key__": [s["__key__"] for s in samples],
         "__index__": np.fromiter((s["__index__"] for s in samples), dtype=np.int64, count=len(samples)),
     }
-    for name in samples[0]:
+    for name in dict.fromkeys(k for s in samples for k in s):
         if name in ("__key__", "__index__", "__shard__"):
             continue
-        values = [s[name] for s in samples]
+        values = [s.get(name) for s in samples]
+        if any(name not in s for s in samples):
+            batch[name] = values
+            continue
         first = values[0]
         if isinstance(first, (bytes, memoryview, bytearray)):
             sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
