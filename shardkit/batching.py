@@ -27,10 +27,10 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for name in dict.fromkeys(k for s in samples for k in s):
         if name in ("__key__", "__index__", "__shard__"):
             continue
-        values = [s.get(name) for s in samples]
         if any(name not in s for s in samples):
-            batch[name] = values
+            batch[name] = [s.get(name) for s in samples]
             continue
+        values = [s[name] for s in samples]
         first = values[0]
         if isinstance(first, (bytes, memoryview, bytearray)):
             sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
