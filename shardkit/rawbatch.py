@@ -114,14 +114,22 @@ def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify:
     infos = source.ds.shard_list
     dsts_all = plan.offsets[:, :-1].T  # (n, fields): where each member goes
     for s, (idx, mine) in plan.members.items():
-        held = source.get(s, mine, window)
-        held.users += 1  # before the next get(), which may let go of the shards before it
         where = f"shard {s} ({infos[s].path})"
-        if held.verify and verify:
-            rows = source.rows(s)
-            for k in mine.tolist():
-                verify_sample(held.view, held.base, rows, k, where)
+        held = _get_checked(source, s, mine, window, verify, where)
+        held.users += 1  # before the next get(), which may let go of the shards before it
         yield MemberCopy(held, dsts_all[idx], plan.starts[idx] - held.base, plan.sizes[idx], where)
+
+
+def _get_checked(source: ShardSource, shard: int, positions: np.ndarray, window: Sequence[Run], verify: bool,
+                 where: str) -> Held:
+    """The held bytes of ``positions`` of ``shard``, each sample checked if they still need it
+    (a span read without the cache; a cached shard was verified whole)."""
+    held = source.get(shard, positions, window)
+    if held.verify and verify:
+        rows = source.rows(shard)
+        for k in positions.tolist():
+            verify_sample(held.view, held.base, rows, k, where)
+    return held
 
 
 def copy_into(copies: Sequence[MemberCopy], outs: Sequence[np.ndarray]) -> None:
@@ -180,11 +188,7 @@ def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], veri
     fields: list[list[Any]] = [[None] * n for _ in plan.names]
     infos = source.ds.shard_list
     for s, (idx, mine) in plan.members.items():
-        held = source.get(s, mine, window)
-        if held.verify and verify:
-            rows = source.rows(s)
-            for k in mine.tolist():
-                verify_sample(held.view, held.base, rows, k, f"shard {s} ({infos[s].path})")
+        held = _get_checked(source, s, mine, window, verify, f"shard {s} ({infos[s].path})")
         arr, at = held.array, idx.tolist()
         if opened is not None:
             opened(held)
