@@ -123,16 +123,12 @@ def _touch(v: Any) -> int:
 
     if hasattr(v, "numpy") and not isinstance(v, np.ndarray):  # torch tensor: zero-copy view
         v = v.numpy()
-    if isinstance(v, np.ndarray):
-        if v.dtype == object:
-            return sum(_touch(x) for x in v.reshape(-1))
-        flat = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+    if isinstance(v, np.ndarray) and v.dtype == object:
+        return sum(_touch(x) for x in v.reshape(-1))
+    flat = _flat_bytes(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v)
+    if flat is not None:
         _touched[1] += int(flat[::TOUCH_STRIDE].sum())
-        return flat.nbytes
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        flat = np.frombuffer(v, dtype=np.uint8)
-        _touched[1] += int(flat[::TOUCH_STRIDE].sum())
-        return flat.nbytes
+        return int(flat.nbytes)
     if isinstance(v, (list, tuple)):
         flat_parts = [_flat_bytes(x) for x in v]
         if v and all(p is not None for p in flat_parts):
