@@ -47,6 +47,7 @@ from .cachefs import (
     verified_stamp_ns,
 )
 from .errors import CacheFullError, ConfigError, IntegrityError
+from .keptmaps import KEPT
 
 __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "is_positional", "ShardCache", "CachedShard",
            "CacheFullError"]
@@ -111,11 +112,19 @@ class CachedShard:
             raise ValueError(f"shard {self.ref.name} is closed")
         return self._fd
 
-    def buffer(self) -> memoryview:
-        """A read-only memoryview of the whole file (mapped on first call)."""
+    def buffer(self, keep: bool = False) -> memoryview:
+        """A read-only memoryview of the whole file (mapped on first call).
+
+        ``keep``: map it through the process's kept maps (:mod:`.keptmaps`), so the next
+        epoch's reads find the page tables already filled.
+        """
         if self._fd < 0:
             raise ValueError(f"shard {self.ref.name} is closed")
         if self._view is None:
+            kept = KEPT.get(self.path, self._fd, self.ref.size) if keep else None
+            if kept is not None:
+                self._view = memoryview(kept)  # not self._mmap: close() leaves a kept map open
+                return self._view
             if self.ref.size:
                 # No MAP_POPULATE: DataLoader workers take turns in batches, so each reads only
                 # part of a shard; mapping all of it in every worker measured slower here.
@@ -552,6 +561,7 @@ class ShardCache:
                 return blockers
             for e, _ in held:
                 log.debug("cache: evicting %s (%d bytes)", e.path, e.size)
+                KEPT.forget(e.path)  # a map kept in this process would keep the disk space
                 unlink_quiet(e.path)
                 self._add("evictions", float(not e.temp))
             return None

@@ -33,6 +33,7 @@ from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remain
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
 from .reader import Dataset, manifest_copies_dir, sample_dict
 from .bufpool import BufferPool
+from .keptmaps import keep_budget
 from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
                        prepare, view_batch)
 from .ring import BatchRing, RingBatch
@@ -88,7 +89,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             iteration in the main process (``num_workers=0``): a map cannot cross processes.
             For GPU decoders and readers of raw arrays that take one buffer per sample. The
             arrays keep their shard's map (and, once evicted, its disk space) alive while
-            the training loop holds them.
+            the training loop holds them. When the whole dataset fits in ``cache_limit``,
+            the process also keeps each shard's map from one epoch to the next (up to
+            ``SHARDKIT_KEEP_MAPS`` bytes, default 16 GiB; ``0``: off), so later epochs take
+            no page faults; maps of files the cache evicts are dropped within a second.
     """
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str = "200GB",
@@ -253,6 +257,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if self._acc_pid != os.getpid():  # a fresh worker: counters start at zero
             self._acc, self._acc_pid = {}, os.getpid()
         source = self._open_source(topo)
+        # Kept maps pay off only if the files stay: a dataset bigger than the cache would
+        # cycle through them, each kept map holding an evicted file's disk space.
+        shard_bytes = sum(i.bytes for i in self.ds.shard_list)
+        source.keep_maps = self.zero_copy and shard_bytes <= min(self.cache_limit, keep_budget())
         self._live = (source, topo)
         self._worker = topo.worker
         # A DataLoader worker waits, between batches, until the loader asks for more; in a

@@ -273,19 +273,25 @@ class MapWarmer:
 
     _ADVICE = 22  # MADV_POPULATE_READ
 
+    # Maps already populated, across streams: a kept map (keptmaps) stays populated from one
+    # epoch to the next; weak, so a map that goes is forgotten with it.
+    _done: weakref.WeakSet[object] = weakref.WeakSet()
+
     def __init__(self) -> None:
         self._madvise = _libc_madvise()
         self._pool: ThreadPoolExecutor | None = None
-        self._seen: weakref.WeakSet[Held] = weakref.WeakSet()  # weak: a let-go shard's map may go
 
     def __call__(self, held: Held) -> None:
-        if self._madvise is None or held in self._seen:
+        if self._madvise is None:
             return
-        self._seen.add(held)
+        arr, owner = held.array, held.mapped
+        if owner in self._done:
+            return
+        self._done.add(owner)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-map")
         # The array keeps the map alive (the source cannot unmap it) until the call returns.
-        self._pool.submit(self._populate, held.array)
+        self._pool.submit(self._populate, arr)
 
     def _populate(self, arr: np.ndarray) -> None:
         if arr.size and self._madvise is not None:
@@ -297,7 +303,6 @@ class MapWarmer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._seen.clear()
 
 
 def _libc_madvise() -> Any:

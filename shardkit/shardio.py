@@ -13,6 +13,7 @@ so a shuffled run of one sample costs a dict lookup, not an open/flock/mmap.
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,10 +91,11 @@ class Held:
     """
 
     def __init__(self, base: int, end: int, verify: bool, *, handle: CachedShard | None = None,
-                 data: bytes | bytearray | memoryview | None = None) -> None:
+                 data: bytes | bytearray | memoryview | None = None, keep_map: bool = False) -> None:
         self.base, self.end = base, end
         self.verify = verify  # per-sample checks still needed (a span read, not a verified whole shard)
         self.handle = handle
+        self.keep_map = keep_map  # map the cached file through the process's kept maps
         self._view: memoryview | None = memoryview(data) if data is not None else None
         self._array: np.ndarray | None = None
         self.users = 0  # batch copies in flight in other threads (rawbatch.copy_into)
@@ -102,8 +104,14 @@ class Held:
     def view(self) -> memoryview:
         if self._view is None:
             assert self.handle is not None
-            self._view = self.handle.buffer()
+            self._view = self.handle.buffer(keep=self.keep_map)
         return self._view
+
+    @property
+    def mapped(self) -> object:
+        """What owns the pages ``view`` shows: the same object for every Held over one kept map."""
+        owner = self.view.obj
+        return owner if isinstance(owner, mmap.mmap) else self
 
     @property
     def array(self) -> np.ndarray:
@@ -155,6 +163,8 @@ class ShardSource:
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[int, tuple[int, int, Future[bytes]]] = {}
+        # Keep cached shards' maps across epochs (zero-copy reads; see keptmaps).
+        self.keep_maps = False
 
     # ---- manifest rows --------------------------------------------------------------------
 
@@ -242,7 +252,7 @@ class ShardSource:
         t0 = time.perf_counter()
         if self.cache is not None:
             handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch)
-            held = Held(0, handle.ref.size, False, handle=handle)
+            held = Held(0, handle.ref.size, False, handle=handle, keep_map=self.keep_maps)
         else:
             held = self._direct(shard, self.rows(shard), positions, window)
         self.wait_seconds += time.perf_counter() - t0

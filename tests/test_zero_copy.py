@@ -148,8 +148,8 @@ def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
     from shardkit.rawbatch import MapWarmer
 
     class FakeHeld:  # what the warmer uses of a shardio.Held
-        def __init__(self, array: np.ndarray) -> None:
-            self.array = array
+        def __init__(self, array: np.ndarray, mapped: object) -> None:
+            self.array, self.mapped = array, mapped
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 << 20))
@@ -157,7 +157,7 @@ def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     arr = np.frombuffer(m, np.uint8)
     assert mapping_rss_kb(arr.ctypes.data) < 1024  # a fresh map: nothing mapped in yet
-    held = FakeHeld(arr)
+    held = FakeHeld(arr, m)
     warm = MapWarmer()
     warm(held)  # type: ignore[arg-type]
     assert any(t.name.startswith("shardkit-map") for t in threading.enumerate())
