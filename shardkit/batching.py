@@ -50,12 +50,13 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-def unpack(batch: dict[str, Any], field: str) -> list[memoryview]:
+def unpack(batch: dict[str, Any], field: str) -> list[memoryview | None]:
     """The per-sample bodies of a raw bytes field of a batch (views, no copies): packed
-    (``<field>`` + ``<field>.offsets``) or, in a zero-copy batch, a list of arrays."""
+    (``<field>`` + ``<field>.offsets``) or a list (a zero-copy batch, or a field some samples
+    lack: ``None`` for those samples)."""
     data = batch[field]
     if isinstance(data, list):
-        return [memoryview(v).cast("B") for v in data]
+        return [None if v is None else memoryview(v).cast("B") for v in data]
     offsets = batch[field + OFFSETS]
     buf = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
     bounds = offsets.tolist()

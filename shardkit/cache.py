@@ -237,6 +237,7 @@ class ShardCache:
         with self._mu:
             nxt = self._next_use(file)
             self._cursor = self._cursor if nxt is None else nxt + 1
+        KEPT.prune()  # let go of kept maps whose files another process evicted
         pin = FileLock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
         try:
             fd = self._ensure(ref, fetch, file, None)

@@ -7,8 +7,8 @@ kept from the epoch before has its page tables filled: measured ~0.95-1.0x ``cat
 
 A kept map holds its file's inode. When the cache evicts the file (any process on the node
 may), its disk space comes back only when the map goes, so entries whose file is gone or was
-replaced are dropped: at once for evictions in this process (:func:`forget`), and within
-``PRUNE_EVERY`` seconds of reading otherwise. The bytes kept are bounded (``SHARDKIT_KEEP_MAPS``,
+replaced are dropped: at once for evictions in this process (:func:`forget`), otherwise on
+the first shard this process opens (any dataset) ``PRUNE_EVERY`` seconds after the last check. The bytes kept are bounded (``SHARDKIT_KEEP_MAPS``,
 default 16 GiB, ``0`` turns keeping off); page tables cost ~0.2% of the bytes mapped in.
 """
 
@@ -73,7 +73,7 @@ class KeptMaps:
             return None
         here = _FileId.of(os.fstat(fd))
         with self._mu:
-            self._prune_gone()
+            self._prune_locked()
             kept = self._maps.get(path)
             if kept is not None and kept.file == here:
                 self._maps.move_to_end(path)
@@ -102,11 +102,20 @@ class KeptMaps:
             for path in list(self._maps):
                 self._drop(path)
 
-    def _prune_gone(self) -> None:
+    def prune(self) -> None:
+        """Drop the maps of files that are gone or replaced (at most every ``PRUNE_EVERY`` s).
+
+        The cache calls it on every open, so a process that reads other data (or other
+        datasets) lets go of the files another process evicted."""
+        if self._maps:
+            with self._mu:
+                self._prune_locked()
+
+    def _prune_locked(self) -> None:
         # Another process may have evicted a kept file: without this, its disk space would
         # stay in use (outside the cache's accounting) for as long as this process lives.
         now = time.monotonic()
-        if now - self._pruned < PRUNE_EVERY:
+        if not self._maps or now - self._pruned < PRUNE_EVERY:
             return
         self._pruned = now
         for path, kept in list(self._maps.items()):

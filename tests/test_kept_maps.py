@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,19 @@ def test_a_replaced_or_deleted_file_loses_its_map_and_the_budget_holds(tmp_path:
     assert maps.kept_bytes() == 0
     monkeypatch.setenv("SHARDKIT_KEEP_MAPS", "0")
     assert get("four") is None and maps.kept_bytes() == 0
+
+
+def test_a_process_reading_other_data_lets_go_of_deleted_kept_files(tmp_path: Path, kept: KeptMaps,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kept files go away (evicted by another process; here the whole cache dir is
+    # deleted) and this process goes on reading another dataset without zero-copy: the
+    # cache's opens drop the stale maps, so their disk space is not held.
+    monkeypatch.setattr(keptmaps, "PRUNE_EVERY", 0.0)
+    url_a, _ = _pack(tmp_path, "a")
+    url_b, _ = _pack(tmp_path, "b")
+    assert sum(len(b["__key__"]) for b in StreamingDataset(url_a, cache_dir=tmp_path / "ca", batch_size=16,
+                                                           zero_copy=True)) == 120
+    assert kept.kept_bytes() > 0
+    shutil.rmtree(tmp_path / "ca")
+    assert sum(len(b["__key__"]) for b in StreamingDataset(url_b, cache_dir=tmp_path / "cb", batch_size=16)) == 120
+    assert kept.kept_bytes() == 0

@@ -108,11 +108,10 @@ def test_ragged_fields_give_none_where_a_sample_lacks_one(tmp_path: Path) -> Non
     # Packed batches of the same data (the copy path): a field some samples lack is a list too.
     packed: dict[str, tuple[bytes, bytes | None]] = {}
     for b in StreamingDataset(url, cache_dir=tmp_path / "c", batch_size=7, read_threads=0):
-        bins = unpack(b, "bin") if "bin.offsets" in b else b["bin"]
-        txt = b.get("txt", [None] * len(b["__key__"]))
-        if "txt.offsets" in b:
-            txt = unpack(b, "txt")
-        for k, x, t in zip(b["__key__"], bins, txt):
+        # unpack reads both forms: packed, and a list with None where a sample lacks the field
+        txt = unpack(b, "txt") if "txt" in b else [None] * len(b["__key__"])
+        for k, x, t in zip(b["__key__"], unpack(b, "bin"), txt):
+            assert x is not None
             packed[k] = (bytes(x), None if t is None else bytes(t))
     assert packed == got
 

@@ -51,16 +51,21 @@ def ranged_get(bucket: str, prefix: str, n: int) -> dict[str, Any]:
     for key, size in objs:
         part = -(-size // 8)
         jobs.extend((key, lo, min(size, lo + part)) for lo in range(0, size, part))
-    t0 = time.perf_counter()
+    # The best of three passes: a conservative (high) ceiling, like the cat row's; a first
+    # pass also pays for connections and the server's warm-up.
+    passes = []
     with ThreadPoolExecutor(8) as ex:
-        got = sum(ex.map(get, jobs))
-    seconds = time.perf_counter() - t0
-    if got != total:
-        raise OSError(f"read {got} of {total} bytes")
-    return row("ceiling: S3 ranged GET x8 threads, same shards", "cold", TOOL, kind="ceiling", samples=n,
-               seconds=seconds, nbytes=total)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            got = sum(ex.map(get, jobs))
+            passes.append(time.perf_counter() - t0)
+            if got != total:
+                raise OSError(f"read {got} of {total} bytes")
+    return row(GET_ROW, "cold", TOOL, kind="ceiling", samples=n, seconds=min(passes), nbytes=total,
+               pass_seconds=[round(p, 4) for p in passes])
 
 
+GET_ROW = "ceiling: S3 ranged GET x8 threads, same shards (best of 3)"
 CAT_ROW = "ceiling: cat of the cached shard files (best of 3)"
 
 
@@ -102,7 +107,7 @@ def main() -> None:
     cfg = load_config()
     n = int(cfg["num_images"])
     rows: list[dict[str, Any]] = []
-    guarded(rows, "ceiling: S3 ranged GET x8 threads, same shards", "cold", TOOL,
+    guarded(rows, GET_ROW, "cold", TOOL,
             lambda: ranged_get(cfg["bucket"], "shardkit/shards/", n), kind="ceiling")
     cache = cfg.get("shardkit_cache")
     if cache and os.path.isdir(cache):
