@@ -85,14 +85,17 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             too small to pin the batches in flight.
         zero_copy: raw batches without any copy: each field is a list of read-only uint8
             arrays over the mapped cached shard files, one per sample (``None`` where a
-            sample lacks the field). Needs ``batch_size``, ``cache_dir``, ``decode=None`` and
+            sample lacks the field); a field whose members average under 512 bytes in a
+            batch (labels, short text) comes packed instead, as in copied batches
+            (``shardkit.unpack`` reads both). Needs ``batch_size``, ``cache_dir``, ``decode=None`` and
             iteration in the main process (``num_workers=0``): a map cannot cross processes.
             For GPU decoders and readers of raw arrays that take one buffer per sample. The
             arrays keep their shard's map (and, once evicted, its disk space) alive while
             the training loop holds them. When the whole dataset fits in ``cache_limit``,
             the process also keeps each shard's map from one epoch to the next (up to
             ``SHARDKIT_KEEP_MAPS`` bytes, default 16 GiB; ``0``: off), so later epochs take
-            no page faults; maps of files the cache evicts are dropped within a second.
+            no page faults. A kept map of a file the cache evicts is dropped at once (an
+            eviction by this process) or at this process's next shard open (by another).
     """
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str = "200GB",

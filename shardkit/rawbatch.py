@@ -177,14 +177,20 @@ def fill(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bo
 
 def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool,
                opened: Callable[[Held], None] | None = None) -> dict[str, Any]:
-    """The batch ``plan`` describes with no copy at all: per field, a list of read-only uint8
-    arrays over the mapped shard files (one per sample, in batch order).
+    """The batch ``plan`` describes with no copy of the large fields: per field, a list of
+    read-only uint8 arrays over the mapped shard files (one per sample, in batch order).
+
+    A field whose members average under ``_GATHER_BELOW`` bytes in this batch (labels, short
+    text) comes packed instead (``<field>`` + ``<field>.offsets``, as in copied batches): one
+    vectorised gather of a few bytes costs less than a view per sample, for this function and
+    for the loop that reads them. :func:`shardkit.unpack` reads both forms.
 
     Each array keeps its shard's map alive, so it stays valid after the source lets go of the
     shard, even if the cache then evicts the file: Linux keeps an unlinked file's pages (and
     its disk space) until the last map of it goes.
     """
     n = len(plan)
+    packed = {j: np.empty(size, np.uint8) for j, size in enumerate(field_bytes(plan)) if size < _GATHER_BELOW * n}
     fields: list[list[Any]] = [[None] * n for _ in plan.names]
     infos = source.ds.shard_list
     for s, (idx, mine) in plan.members.items():
@@ -193,10 +199,18 @@ def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], veri
         if opened is not None:
             opened(held)
         for j, out in enumerate(fields):
-            for k, a, ln in zip(at, (plan.starts[idx, j] - held.base).tolist(), plan.sizes[idx, j].tolist()):
+            starts = plan.starts[idx, j] - held.base
+            if j in packed:
+                copy_members(packed[j], plan.offsets[j, idx], arr, starts, plan.sizes[idx, j])
+                continue
+            for k, a, ln in zip(at, starts.tolist(), plan.sizes[idx, j].tolist()):
                 out[k] = arr[a:a + ln]
     batch: dict[str, Any] = {"__key__": plan.keys, "__index__": plan.index}
-    batch.update(zip(plan.names, fields))
+    for j, name in enumerate(plan.names):
+        if j in packed:
+            batch[name], batch[name + OFFSETS] = packed[j], plan.offsets[j]
+        else:
+            batch[name] = fields[j]
     return batch
 
 

@@ -52,6 +52,8 @@ def test_views_equal_copied_batches_and_point_into_the_cache(ds_url: tuple[str, 
         for v, c in zip(views, copied):
             assert [bytes(x) for x in v["bin"]] == [bytes(x) for x in unpack(c, "bin")]
             assert [bytes(x) for x in unpack(v, "cls")] == [bytes(x) for x in unpack(c, "cls")]
+            # 1-byte labels come packed (one gathered array + offsets), not as a view per sample
+            assert not isinstance(v["cls"], list) and len(v["cls.offsets"]) == len(v["__key__"]) + 1
             assert np.array_equal(np.asarray(v["__index__"]), np.asarray(c["__index__"]))
             for arr in v["bin"]:
                 assert isinstance(arr, np.ndarray) and arr.dtype == np.uint8 and not arr.flags.writeable

@@ -1,0 +1,89 @@
+"""How fast S3 GETs fill new files while earlier files stay in the page cache, and after.
+
+    .venv/bin/python -m benchmarks.bench_fill [--count 20000] [--runs 4]
+
+Packs ``count`` sample JPEGs into a throwaway SeaweedFS, then fills the shard bytes into new
+files on the local disk ``runs`` times keeping every run's files, and ``runs`` times deleting
+each run's files after it. 8 ranged-GET threads, 8 MiB parts read into maps of the new files
+(as the node cache fills them); ``os.sync()`` before each run. Prints MB/s per run: a machine
+fact the streaming benchmark's cold rows depend on (benchmarks/RESULTS.md, "Machine notes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Weed, boto3_client, settle_disk  # noqa: E402
+
+PART = 8 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=20000)
+    ap.add_argument("--runs", type=int, default=4)
+    args = ap.parse_args()
+    import shardkit
+    from shardkit.sampledata import make_image_folder
+
+    folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    work = Path(tempfile.mkdtemp(prefix="shardkit-bench-fill-"))
+    try:
+        with Weed() as server:
+            os.environ.update(server.env())
+            client = boto3_client(server.env())
+            client.create_bucket(Bucket="bench")
+            shardkit.pack(str(folder), "s3://bench/ds", shard_bytes="64MB", progress=False)
+            shards = [(i.path, i.bytes) for i in shardkit.open_dataset("s3://bench/ds").shard_list]
+            total = sum(b for _, b in shards)
+
+            def fill(into: Path) -> float:
+                into.mkdir()
+                maps = {}
+                for p, b in shards:
+                    with open(into / p.replace("/", "_"), "w+b") as f:
+                        f.truncate(b)
+                        maps[p] = mmap.mmap(f.fileno(), b)
+
+                def one(job: tuple[str, int, int]) -> None:
+                    p, lo, hi = job
+                    body = client.get_object(Bucket="bench", Key=f"ds/{p}", Range=f"bytes={lo}-{hi - 1}")["Body"]
+                    mv = memoryview(maps[p])[lo:hi]
+                    while mv.nbytes:
+                        mv = mv[body._raw_stream.readinto(mv):]
+
+                jobs = [(p, lo, min(b, lo + PART)) for p, b in shards for lo in range(0, b, PART)]
+                settle_disk()
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(8) as pool:
+                    list(pool.map(one, jobs))
+                seconds = time.perf_counter() - t0
+                for m in maps.values():
+                    m.close()
+                return total / seconds / 1e6
+
+            for keep in (True, False):
+                rates = []
+                for k in range(args.runs):
+                    into = work / f"{'keep' if keep else 'delete'}-{k}"
+                    rates.append(fill(into))
+                    if not keep:
+                        shutil.rmtree(into)
+                label = "earlier runs' files kept" if keep else "each run's files deleted after it"
+                print(f"{total / 1e6:.0f} MB into new files, {label}: " + ", ".join(f"{r:.0f}" for r in rates) + " MB/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
