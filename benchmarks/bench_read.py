@@ -88,7 +88,7 @@ def main() -> None:
         # Ceiling 1b: the same GETs into new files on the cache's disk, through maps (as the
         # cache fills them): what a cache fill could reach. Each pass's files are deleted after
         # it, as every row's cache is below, so that no pass or row pays for the page cache the
-        # one before it left (on this VM that halves a fill: RESULTS.md, "Machine notes").
+        # one before it left (on this VM that moves a fill by up to 2x: RESULTS.md, "Machine notes").
         best = float("inf")
         for k in range(3):
             into = work / f"get-files-{k}"

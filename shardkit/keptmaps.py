@@ -7,7 +7,7 @@ kept from the epoch before has its page tables filled: measured ~0.95-1.0x ``cat
 
 A kept map holds its file's inode. When the cache evicts the file (any process on the node
 may), its disk space comes back only when the map goes, so entries whose file is gone or was
-replaced are dropped: at once for evictions in this process (:func:`forget`), otherwise on
+replaced are dropped: at once for evictions in this process (:meth:`KeptMaps.forget`), otherwise on
 the first shard this process opens (any dataset) ``PRUNE_EVERY`` seconds after the last check. The bytes kept are bounded (``SHARDKIT_KEEP_MAPS``,
 default 16 GiB, ``0`` turns keeping off); page tables cost ~0.2% of the bytes mapped in.
 """
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from .config import parse_size
 
-__all__ = ["KeptMaps", "KEPT", "keep_budget", "forget"]
+__all__ = ["KeptMaps", "KEPT", "keep_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _Kept(NamedTuple):
 
 
 class KeptMaps:
-    """Maps by path, least recently used first, at most ``budget()`` bytes in all."""
+    """Maps by path, least recently used first, at most :func:`keep_budget` bytes in all."""
 
     def __init__(self) -> None:
         self._maps: OrderedDict[str, _Kept] = OrderedDict()
@@ -143,7 +143,3 @@ class KeptMaps:
 
 KEPT = KeptMaps()
 os.register_at_fork(after_in_child=KEPT._after_fork)
-
-
-def forget(path: str) -> None:
-    KEPT.forget(path)

@@ -12,6 +12,7 @@ import pytest
 
 import shardkit
 from shardkit import StreamingDataset, keptmaps
+from shardkit.errors import ConfigError
 from shardkit.keptmaps import KEPT, KeptMaps
 
 
@@ -110,6 +111,9 @@ def test_a_replaced_or_deleted_file_loses_its_map_and_the_budget_holds(tmp_path:
     assert maps.kept_bytes() == 0
     monkeypatch.setenv("SHARDKIT_KEEP_MAPS", "0")
     assert get("four") is None and maps.kept_bytes() == 0
+    monkeypatch.setenv("SHARDKIT_KEEP_MAPS", "lots")
+    with pytest.raises(ConfigError, match="SHARDKIT_KEEP_MAPS"):
+        get("five")
 
 
 def test_a_process_reading_other_data_lets_go_of_deleted_kept_files(tmp_path: Path, kept: KeptMaps,
