@@ -262,8 +262,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         source = self._open_source(topo)
         # Kept maps pay off only if the files stay: a dataset bigger than the cache would
         # cycle through them, each kept map holding an evicted file's disk space.
-        shard_bytes = sum(i.bytes for i in self.ds.shard_list)
-        source.keep_maps = self.zero_copy and shard_bytes <= min(self.cache_limit, keep_budget())
+        source.keep_maps = self.zero_copy and (sum(i.bytes for i in self.ds.shard_list)
+                                               <= min(self.cache_limit, keep_budget()))
         self._live = (source, topo)
         self._worker = topo.worker
         # A DataLoader worker waits, between batches, until the loader asks for more; in a
