@@ -5,8 +5,10 @@
 Packs ``count`` sample JPEGs into a throwaway SeaweedFS, then fills the shard bytes into new
 files on the local disk ``runs`` times keeping every run's files, and ``runs`` times deleting
 each run's files after it. 8 ranged-GET threads, 8 MiB parts read into maps of the new files
-(as the node cache fills them); ``os.sync()`` before each run. Prints MB/s per run: a machine
-fact the streaming benchmark's cold rows depend on (benchmarks/RESULTS.md, "Machine notes").
+(as the node cache fills them); ``os.sync()`` before each run. First, the rate at which this
+machine hands out memory never touched before (1 GiB of fresh anonymous memory, one byte written
+per 4 KiB page) against memory already touched. Prints MB/s per run: machine facts the streaming
+benchmark's cold rows depend on (benchmarks/RESULTS.md, "Machine notes").
 """
 
 from __future__ import annotations
@@ -26,6 +28,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Weed, boto3_client, settle_disk  # noqa: E402
 
 PART = 8 << 20
+GIB = 1 << 30
+
+
+def first_touch_gb_per_s(again: bool = False) -> float:
+    """GB/s of writing one byte per page into 1 GiB of fresh anonymous memory (``again``: the
+    second pass over the same memory, whose pages are already there)."""
+    import numpy as np
+
+    with mmap.mmap(-1, GIB) as m:
+        pages = np.frombuffer(m, np.uint8)[::mmap.PAGESIZE]
+        if again:
+            pages[:] = 1
+        t0 = time.perf_counter()
+        pages[:] = 2
+        seconds = time.perf_counter() - t0
+        del pages
+    return GIB / seconds / 1e9
 
 
 def main() -> None:
@@ -37,6 +56,9 @@ def main() -> None:
     from shardkit.sampledata import make_image_folder
 
     folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    fresh = [first_touch_gb_per_s() for _ in range(3)]
+    print("first touch of new memory: " + ", ".join(f"{r:.1f}" for r in fresh)
+          + f" GB/s; the same pages again: {first_touch_gb_per_s(again=True):.0f} GB/s")
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-fill-"))
     try:
         with Weed() as server:
