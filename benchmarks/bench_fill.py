@@ -82,7 +82,10 @@ def main() -> None:
                     body = client.get_object(Bucket="bench", Key=f"ds/{p}", Range=f"bytes={lo}-{hi - 1}")["Body"]
                     mv = memoryview(maps[p])[lo:hi]
                     while mv.nbytes:
-                        mv = mv[body._raw_stream.readinto(mv):]
+                        got = body._raw_stream.readinto(mv)
+                        if not got:
+                            raise OSError(f"ds/{p}: the server ended the range {lo}-{hi} early")
+                        mv = mv[got:]
 
                 jobs = [(p, lo, min(b, lo + PART)) for p, b in shards for lo in range(0, b, PART)]
                 settle_disk()

@@ -74,6 +74,8 @@ def main() -> None:
                 mv = memoryview(bufs[p])[lo:hi]
                 while mv.nbytes:
                     n = body._raw_stream.readinto(mv)
+                    if not n:
+                        raise OSError(f"ds/{p}: the server ended the range {lo}-{hi} early")
                     mv = mv[n:]
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(one, jobs))
