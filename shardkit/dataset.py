@@ -311,7 +311,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     def _samples(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
         """Yield decoded sample dicts in this worker's order."""
         decoder = make_decoder(self.decode if self.batch_size is None else (self.decode or "raw"))
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        first_sample = self.ds.first_samples
         infos = self.ds.shard_list
         chunk, tight, n = max(1, self.chunk), self._tight, 0
         while (run := runs.pop()) is not None:
@@ -384,7 +384,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def _view_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
         """Zero-copy batches (``zero_copy=True``): per field, a list of views into the maps."""
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        first_sample = self.ds.first_samples
         warm = MapWarmer()
         try:
             for pieces, carry, n in self._batch_pieces(runs):
@@ -423,7 +423,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """Raw batches filled by ``threads`` threads, up to ``2 * threads`` batches ahead, and
         yielded in order. This thread plans each batch and opens (pins) its shards; the copy
         threads only read the open files into the batch's buffers."""
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        first_sample = self.ds.first_samples
         pending: deque[tuple[Future[None], BatchPlan, list[np.ndarray], list[MemberCopy], int]] = deque()
 
         def finish() -> dict[str, Any]:
@@ -470,7 +470,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def _build(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> Any:
         """One raw batch: a dict of arrays, or (in a worker with a ring) a RingBatch."""
-        plan = plan_batch(source, pieces, self.ds.shards.column("first_sample").to_numpy())
+        plan = plan_batch(source, pieces, self.ds.first_samples)
         if plan is None:
             return self._build_slow(source, pieces, carry, runs)  # ragged fields: per-sample collate
         window = _Later(pieces, 0, carry, runs)  # the whole batch stays pinned while it is built
@@ -498,7 +498,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     def _piece_samples(self, source: ShardSource, pieces: list[Run], carry: Run | None,
                        runs: _Lookahead) -> list[dict[str, Any]]:
         """The sample dicts of a batch's ``pieces``, their fields views of the held shards."""
-        first_sample = self.ds.shards.column("first_sample").to_numpy()
+        first_sample = self.ds.first_samples
         infos = self.ds.shard_list
         samples = []
         for i, (shard, p) in enumerate(pieces):

@@ -183,7 +183,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.max_open_shards = int(max_open_shards)
         self.transport = choose_transport(self.ds.store, transport)
         make_decoder(decode)  # validate in the main process
-        self._first = self.ds.shards.column("first_sample").to_numpy()
+        self._first = self.ds.first_samples
         self._key_index: _KeyIndex | None = None
         self._init_process()
 

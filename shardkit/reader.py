@@ -106,6 +106,7 @@ class Dataset:
         if self.shards.num_rows != self.info["num_shards"]:
             raise ManifestError(f"{self.url}: dataset.json says {self.info['num_shards']} shards, shards.parquet has {self.shards.num_rows}")
         self._shard_list: list[ShardInfo] | None = None
+        self._first_samples: np.ndarray | None = None
         self._fragments: dict[str, pq.ParquetFile] = {}
         self._samples: pa.Table | None = None
         # A local directory keeping copies of the sample-manifest fragments (set by readers
@@ -124,6 +125,7 @@ class Dataset:
         self.info = state["info"]
         self.shards = state["shards"]
         self._shard_list = None
+        self._first_samples = None
         self._fragments = {}
         self._samples = None
         self.manifest_cache = state.get("manifest_cache")
@@ -173,6 +175,13 @@ class Dataset:
         while len(_MEMOS) > _MEMO_DATASETS:
             _MEMOS.pop(next(iter(_MEMOS)))
         return memos.setdefault(name, {})
+
+    @property
+    def first_samples(self) -> np.ndarray:
+        """Global index of each shard's first sample (read from the manifest once)."""
+        if self._first_samples is None:
+            self._first_samples = self.shards.column("first_sample").to_numpy()
+        return self._first_samples
 
     def shard_sizes(self) -> np.ndarray:
         return self.shards.column("num_samples").to_numpy()
