@@ -15,7 +15,6 @@ asked for them there), never in logs, errors or reprs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
@@ -36,6 +35,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from .errors import ShardkitError
+from .libc import libc_function
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +139,8 @@ def _die_with_parent_hook() -> Callable[[], None] | None:
     The signal fires when the *thread* that started weed exits, so start it from a thread
     that lives as long as the server (the main thread, in pytest and the benchmarks).
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = libc_function("prctl")
+    if prctl is None:
         return None
 
     def hook() -> None:

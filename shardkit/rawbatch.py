@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .batching import OFFSETS
+from .libc import libc_function
 from .errors import IntegrityError
 from .reader import verify_sample
 from .shardio import Held, ShardSource
@@ -320,12 +320,4 @@ class MapWarmer:
 
 
 def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
