@@ -20,12 +20,11 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Weed, boto3_client, settle_disk  # noqa: E402
+from benchmarks.common import Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into, settle_disk  # noqa: E402
 
 PART = 8 << 20
 GIB = 1 << 30
@@ -69,29 +68,14 @@ def main() -> None:
             shards = [(i.path, i.bytes) for i in shardkit.open_dataset("s3://bench/ds").shard_list]
             total = sum(b for _, b in shards)
 
+            objects = [(f"ds/{p}", b) for p, b in shards]
+            jobs = part_jobs(objects, PART)
+
             def fill(into: Path) -> float:
-                into.mkdir()
-                maps = {}
-                for p, b in shards:
-                    with open(into / p.replace("/", "_"), "w+b") as f:
-                        f.truncate(b)
-                        maps[p] = mmap.mmap(f.fileno(), b)
-
-                def one(job: tuple[str, int, int]) -> None:
-                    p, lo, hi = job
-                    body = client.get_object(Bucket="bench", Key=f"ds/{p}", Range=f"bytes={lo}-{hi - 1}")["Body"]
-                    mv = memoryview(maps[p])[lo:hi]
-                    while mv.nbytes:
-                        got = body._raw_stream.readinto(mv)
-                        if not got:
-                            raise OSError(f"ds/{p}: the server ended the range {lo}-{hi} early")
-                        mv = mv[got:]
-
-                jobs = [(p, lo, min(b, lo + PART)) for p, b in shards for lo in range(0, b, PART)]
+                maps = new_file_maps(into, objects)
                 settle_disk()
                 t0 = time.perf_counter()
-                with ThreadPoolExecutor(8) as pool:
-                    list(pool.map(one, jobs))
+                ranged_get_into(client, "bench", jobs, maps)
                 seconds = time.perf_counter() - t0
                 for m in maps.values():
                     m.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -24,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Weed, boto3_client, settle_disk, time_loader, touch_count, touched_bytes  # noqa: E402
+from benchmarks.common import (Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into,  # noqa: E402
+                               settle_disk, time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
@@ -60,29 +60,13 @@ def main() -> None:
         sbytes = sum(b for _, b in shards)
 
         # Ceiling 1: parallel ranged GETs (8 threads, 8 MiB parts) into preallocated buffers.
-        bufs: dict[str, bytearray | mmap.mmap] = {p: bytearray(b) for p, b in shards}  # allocated before the clock
-
-        def get_all() -> None:
-            jobs = []
-            for p, b in shards:
-                for lo in range(0, b, 8 << 20):
-                    jobs.append((p, lo, min(b, lo + (8 << 20))))
-
-            def one(job: tuple[str, int, int]) -> None:
-                p, lo, hi = job
-                body = client.get_object(Bucket="bench", Key=f"ds/{p}", Range=f"bytes={lo}-{hi - 1}")["Body"]
-                mv = memoryview(bufs[p])[lo:hi]
-                while mv.nbytes:
-                    n = body._raw_stream.readinto(mv)
-                    if not n:
-                        raise OSError(f"ds/{p}: the server ended the range {lo}-{hi} early")
-                    mv = mv[n:]
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(one, jobs))
+        objects = [(f"ds/{p}", b) for p, b in shards]
+        jobs = part_jobs(objects, 8 << 20)
+        bufs = {k: bytearray(b) for k, b in objects}  # allocated before the clock
         best = float("inf")
         for _ in range(3):  # the best of three, like the cat ceiling: conservative (high)
             t0 = time.perf_counter()
-            get_all()
+            ranged_get_into(client, "bench", jobs, bufs)
             best = min(best, time.perf_counter() - t0)
         rec("ceiling: S3 ranged GET x8", best, ds.num_samples, sbytes)
         bufs.clear()  # its memory back before the loader rows
@@ -94,18 +78,11 @@ def main() -> None:
         best = float("inf")
         for k in range(3):
             into = work / f"get-files-{k}"
-            into.mkdir()
-            maps = {}
-            for p, b in shards:
-                with open(into / p.replace("/", "_"), "w+b") as f:
-                    f.truncate(b)
-                    maps[p] = mmap.mmap(f.fileno(), b)
+            maps = new_file_maps(into, objects)
             settle_disk()
             t0 = time.perf_counter()
-            bufs.update(maps)
-            get_all()
+            ranged_get_into(client, "bench", jobs, maps)
             best = min(best, time.perf_counter() - t0)
-            bufs.clear()
             for m in maps.values():
                 m.close()
             shutil.rmtree(into)

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from shardkit import devserver
 
@@ -91,6 +91,46 @@ def settle_disk() -> None:
     rows before it (measured: a cold fill at ~300 instead of ~650 MB/s).
     """
     os.sync()
+
+
+def ranged_get_into(client: Any, bucket: str, jobs: Sequence[tuple[str, int, int]], dest: Mapping[str, Any],
+                    threads: int = 8) -> int:
+    """GET each ``(key, lo, hi)`` byte range of ``bucket`` into ``dest[key][lo:hi]``, ``threads``
+    at a time, with ``readinto`` on the raw response (no intermediate bytes). Returns the bytes
+    moved; a range the server ends early raises OSError. The GET ceilings of the benchmarks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job: tuple[str, int, int]) -> int:
+        key, lo, hi = job
+        raw = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]._raw_stream
+        view = memoryview(dest[key])[lo:hi]
+        while view.nbytes:
+            got = raw.readinto(view)
+            if not got:
+                raise OSError(f"s3://{bucket}/{key}: the server ended the range {lo}-{hi} early")
+            view = view[got:]
+        return hi - lo
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(one, jobs))
+
+
+def part_jobs(objects: Iterable[tuple[str, int]], part: int) -> list[tuple[str, int, int]]:
+    """``(key, lo, hi)`` ranges of at most ``part`` bytes covering every ``(key, size)``."""
+    return [(key, lo, min(size, lo + part)) for key, size in objects for lo in range(0, size, part)]
+
+
+def new_file_maps(into: Path, objects: Iterable[tuple[str, int]]) -> dict[str, Any]:
+    """A writable map of a new ``size``-byte file in ``into`` per ``(key, size)``, by key."""
+    import mmap
+
+    into.mkdir()
+    maps = {}
+    for key, size in objects:
+        with open(into / key.replace("/", "_"), "w+b") as f:
+            f.truncate(size)
+            maps[key] = mmap.mmap(f.fileno(), size)
+    return maps
 
 
 def time_loader(loader: Iterable[Any], count: Callable[[Any], int] = batch_len) -> tuple[float, int]:

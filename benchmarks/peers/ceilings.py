@@ -12,13 +12,12 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.common import boto3_client, failed_row, row  # noqa: E402
+from benchmarks.common import boto3_client, failed_row, part_jobs, ranged_get_into, row  # noqa: E402
 from benchmarks.peers._base import finish, guarded, load_config  # noqa: E402
 
 TOOL = "ceiling"
@@ -33,34 +32,16 @@ def ranged_get(bucket: str, prefix: str, n: int) -> dict[str, Any]:
         raise FileNotFoundError(f"no shard objects under s3://{bucket}/{prefix}")
     total = sum(s for _, s in objs)
     bufs = {k: bytearray(s) for k, s in objs}  # preallocated before the clock starts
-
-    def get(job: tuple[str, int, int]) -> int:
-        key, lo, hi = job
-        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
-        raw = body._raw_stream  # urllib3 response: readinto, no intermediate bytes
-        view = memoryview(bufs[key])[lo:hi]
-        got = 0
-        while got < hi - lo:
-            k = raw.readinto(view[got:])
-            if not k:
-                raise OSError(f"short read of {key} at {lo + got}")
-            got += k
-        return got
-
-    jobs = []
-    for key, size in objs:
-        part = -(-size // 8)
-        jobs.extend((key, lo, min(size, lo + part)) for lo in range(0, size, part))
+    jobs = [job for key, size in objs for job in part_jobs([(key, size)], -(-size // 8))]  # 8 parts each
     # The best of three passes: a conservative (high) ceiling, like the cat row's; a first
     # pass also pays for connections and the server's warm-up.
     passes = []
-    with ThreadPoolExecutor(8) as ex:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            got = sum(ex.map(get, jobs))
-            passes.append(time.perf_counter() - t0)
-            if got != total:
-                raise OSError(f"read {got} of {total} bytes")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        got = ranged_get_into(client, bucket, jobs, bufs)
+        passes.append(time.perf_counter() - t0)
+        if got != total:
+            raise OSError(f"read {got} of {total} bytes")
     return row(GET_ROW, "cold", TOOL, kind="ceiling", samples=n, seconds=min(passes), nbytes=total,
                pass_seconds=[round(p, 4) for p in passes])
 
