@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shardkit
+from randomds import pack_random
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batching import unpack
 from shardkit.errors import ConfigError, IntegrityError
@@ -22,12 +23,8 @@ N = 500
 
 @pytest.fixture(scope="module")
 def ds_url(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
-    rng = np.random.default_rng(5)
-    data = [{"__key__": f"k{i:04d}", "bin": rng.bytes(int(rng.integers(1, 9000))), "cls": str(i % 7).encode()}
-            for i in range(N)]
-    url = str(tmp_path_factory.mktemp("threads") / "ds")
-    shardkit.pack(iter(data), url, shard_bytes="80KB", progress=False)
-    return url, {d["__key__"]: d["bin"] for d in data}
+    return pack_random(tmp_path_factory.mktemp("threads"), n=N, max_body=9000, classes=7, shard_bytes="80KB",
+                       seed=5, prefix="k")
 
 
 def fill_threads() -> set[str]:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import shardkit
+from randomds import pack_random
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batching import unpack
 from shardkit.errors import ConfigError
@@ -19,12 +20,8 @@ N = 400
 
 @pytest.fixture(scope="module")
 def ds_url(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
-    rng = np.random.default_rng(9)
-    data = [{"__key__": f"z{i:04d}", "bin": rng.bytes(int(rng.integers(1, 6000))), "cls": str(i % 5).encode()}
-            for i in range(N)]
-    url = str(tmp_path_factory.mktemp("zc") / "ds")
-    shardkit.pack(iter(data), url, shard_bytes="64KB", progress=False)
-    return url, {d["__key__"]: d["bin"] for d in data}
+    return pack_random(tmp_path_factory.mktemp("zc"), n=N, max_body=6000, classes=5, shard_bytes="64KB",
+                       seed=9, prefix="z")
 
 
 def mapped_file(addr: int) -> str:
