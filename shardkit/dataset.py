@@ -85,9 +85,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             too small to pin the batches in flight.
         zero_copy: raw batches without any copy: each field is a list of read-only uint8
             arrays over the mapped cached shard files, one per sample (``None`` where a
-            sample lacks the field); a field whose members average under 512 bytes in a
-            batch (labels, short text) comes packed instead, as in copied batches
-            (``shardkit.unpack`` reads both). Needs ``batch_size``, ``cache_dir``, ``decode=None`` and
+            sample lacks the field); in a batch whose samples have the same fields, a field
+            whose members average under 512 bytes (labels, short text) comes packed instead,
+            as in copied batches (``shardkit.unpack`` reads both). Needs ``batch_size``, ``cache_dir``, ``decode=None`` and
             iteration in the main process (``num_workers=0``): a map cannot cross processes.
             For GPU decoders and readers of raw arrays that take one buffer per sample. The
             arrays keep their shard's map (and, once evicted, its disk space) alive while
