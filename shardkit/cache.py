@@ -48,9 +48,10 @@ from .cachefs import (
 )
 from .errors import CacheFullError, ConfigError, IntegrityError
 from .keptmaps import KEPT
+from .landing import LANDING, DirectWriter, Landing
 
-__all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "is_positional", "ShardCache", "CachedShard",
-           "CacheFullError"]
+__all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_positional", "ShardCache",
+           "CachedShard", "CacheFullError"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ The cache verifies size and xxh3-128 of the whole file after it returns, exactly
 :data:`Fetch`. Parts land out of order, so the length of a partial file means nothing: when a
 positional fetch fails, its temp file is emptied (the reservation stays) and the next attempt
 starts from byte 0.
+
+A fetch marked with :func:`reports_parts` also takes ``landed=callback`` and calls
+``callback(lo, hi)`` from the thread that filled bytes ``[lo, hi)``, once they are all there
+(``lo`` a multiple of 4 KiB): the cache then writes that part to the file while others land.
 """
 
 
@@ -79,6 +84,12 @@ def positional(fn: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]
     """Mark ``fn`` (a function, or the function behind a method) as a :data:`FetchInto`."""
     fn.writes_at_offsets = True  # type: ignore[attr-defined]
     return fn
+
+
+def reports_parts(fn: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
+    """Mark ``fn`` as a :data:`FetchInto` that reports each part as it lands (``landed=``)."""
+    fn.reports_parts = True  # type: ignore[attr-defined]
+    return positional(fn)
 
 
 def is_positional(fetch: object) -> bool:
@@ -105,6 +116,10 @@ class CachedShard:
         self._fd, self._pin = fd, pin
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
+        # The landing buffer this process fetched the shard into, when it still holds it:
+        # the same verified bytes, in memory (copy from it; never hand out views of it).
+        self._landing: Landing | None = None
+        self.hot: memoryview | None = None
 
     def fileno(self) -> int:
         """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies."""
@@ -150,6 +165,10 @@ class CachedShard:
                 log.debug("shard %s: buffer slices still alive at close", self.ref.name)
         os.close(self._fd)
         self._fd = -1
+        if self._landing is not None:
+            self.hot = None
+            LANDING.release(self._landing)
+            self._landing = None
         self._pin.release()
 
     def __enter__(self) -> CachedShard:
@@ -190,11 +209,11 @@ class ShardCache:
             raise ConfigError(f"cache_dir {self._root} is not usable: {exc}") from exc
         self._mu = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
-                                     "corrupt_refetches", "prefetched", "prefetch_skipped"), 0.0)
+                                     "corrupt_refetches", "prefetched", "prefetch_skipped", "landed"), 0.0)
         self._sched: dict[str, list[int]] = {}  # file -> positions in the schedule
         self._cursor = 0  # schedule positions before this one are past
         self._cv = threading.Condition()
-        self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str]]] = []
+        self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str], bool]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
         with self._global():  # sweep partial downloads of dead processes that nobody adopted
@@ -218,8 +237,12 @@ class ShardCache:
         with self._mu:
             self._sched, self._cursor = pos, 0
 
-    def open(self, ref: ShardRef, fetch: Fetch | FetchInto) -> CachedShard:
+    def open(self, ref: ShardRef, fetch: Fetch | FetchInto, landing: bool = False) -> CachedShard:
         """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
+
+        ``landing``: the caller only copies out of the shard, so a positional download may go
+        through a landing buffer (:mod:`.landing`), and the shard comes with ``hot`` set while
+        this process's landing buffer still holds it.
 
         Raises:
             ConfigError: the shard is larger than the cache limit.
@@ -240,16 +263,22 @@ class ShardCache:
         KEPT.prune()  # let go of kept maps whose files another process evicted
         pin = FileLock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
         try:
-            fd = self._ensure(ref, fetch, file, None)
+            fd = self._ensure(ref, fetch, file, None, landing)
         except BaseException:
             pin.release()
             raise
         shard = CachedShard(ref, self._final(file), cast(int, fd), pin)
-        shard.verified = os.fstat(cast(int, fd)).st_mtime_ns == verified_stamp_ns(ref.checksum)
+        st = os.fstat(cast(int, fd))
+        shard.verified = st.st_mtime_ns == verified_stamp_ns(ref.checksum)
+        if landing and shard.verified:
+            shard._landing = LANDING.hot(shard.path, st)
+            shard.hot = shard._landing.view() if shard._landing is not None else None
         return shard
 
-    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2) -> None:
-        """Download the first ``max_ahead`` of ``refs``, in order, in a background thread.
+    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2,
+                 landing: bool = False) -> None:
+        """Download the first ``max_ahead`` of ``refs``, in order, in a background thread
+        (``landing`` as for :meth:`open`).
 
         Replaces the part of an earlier plan not started yet. A prefetch never waits: it
         skips a shard that another process is downloading, that does not fit, or that would
@@ -259,7 +288,8 @@ class ShardCache:
             if self._closed:
                 return
             plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
-            self._plan = [(r, fetch, frozenset(file_name(q.name) for q in plan[:i])) for i, r in enumerate(plan)]
+            self._plan = [(r, fetch, frozenset(file_name(q.name) for q in plan[:i]), landing)
+                          for i, r in enumerate(plan)]
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._prefetch_loop, name="shardkit-cache-prefetch",
                                                 daemon=True)
@@ -272,7 +302,8 @@ class ShardCache:
 
     def stats(self) -> dict[str, float]:
         """This cache's counters: hits, misses, bytes_fetched, evictions, wait_seconds,
-        corrupt_refetches, prefetched, prefetch_skipped."""
+        corrupt_refetches, prefetched, prefetch_skipped, landed (downloads through a landing
+        buffer)."""
         with self._mu:
             return dict(self._stats)
 
@@ -363,7 +394,8 @@ class ShardCache:
         os.close(fd)
         return "corrupt", None
 
-    def _ensure(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch) -> int | None:
+    def _ensure(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch,
+                landing: bool) -> int | None:
         """An fd of the verified shard (its pin held by the caller); None if a prefetch skips."""
         state, fd = self._open_final(ref, file)
         downloaded = False
@@ -383,7 +415,7 @@ class ShardCache:
                         unlink_quiet(self._final(file))
                     self._add("corrupt_refetches")
                 if state != "ok":
-                    if not self._download(ref, fetch, file, prefetch):
+                    if not self._download(ref, fetch, file, prefetch, landing):
                         self._add("prefetch_skipped")
                         return None
                     downloaded = True
@@ -398,7 +430,8 @@ class ShardCache:
             self._add("misses" if downloaded else "hits")
         return fd
 
-    def _download(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch) -> bool:
+    def _download(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch,
+                  landing: bool) -> bool:
         """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skips."""
         got = self._reserve(ref, file, prefetch)
         if got is None:
@@ -413,7 +446,14 @@ class ShardCache:
                 if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
                     preallocate(fd, ref.size)
-                if into:
+                buf = LANDING.take(ref.size) if into and landing else None
+                if buf is not None:
+                    pos, digest = self._fetch_landed(ref, fetch, fd, tmp, buf)
+                    ok = pos == ref.size and digest == ref.checksum.lower()
+                    if not ok:
+                        LANDING.release(buf)
+                        buf = None
+                elif into:
                     pos, digest = self._fetch_into(ref, cast(FetchInto, fetch), fd)
                     ok = pos == ref.size and digest == ref.checksum.lower()
                 else:
@@ -427,9 +467,16 @@ class ShardCache:
                         self._add("bytes_fetched", sink.pos - start)
                     ok, pos, digest = sink.ok(), sink.pos, sink.digest()
                 if ok:
-                    stamp_verified(fd, ref.checksum)
-                    with self._global():
-                        os.replace(tmp, self._final(file))
+                    try:
+                        stamp_verified(fd, ref.checksum)
+                        with self._global():
+                            os.replace(tmp, self._final(file))
+                    except BaseException:
+                        if buf is not None:
+                            LANDING.release(buf)
+                        raise
+                    if buf is not None:
+                        LANDING.publish(buf, self._final(file), os.fstat(fd))
                     return True
             finally:
                 os.close(fd)
@@ -441,6 +488,34 @@ class ShardCache:
             unlink_quiet(tmp)
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
                              f"xxh3 {ref.checksum}) twice; last got {pos} bytes with xxh3 {digest}")
+
+    def _fetch_landed(self, ref: ShardRef, fetch: Fetch | FetchInto, fd: int, tmp: str,
+                      buf: Landing) -> tuple[int, str]:
+        """Run a positional fetch into the landing buffer ``buf``, writing each reported part to
+        the temp file (``O_DIRECT``) as it lands, and anything unreported after.
+
+        Returns (file size, xxh3-128 of the buffer). On failure the file is emptied and ``buf``
+        unpinned, as in :meth:`_fetch_into`, and the error is raised.
+        """
+        os.ftruncate(fd, ref.size)
+        writer = DirectWriter(tmp, buf)
+        view = memoryview(buf.map)[:ref.size]
+        try:
+            if getattr(fetch, "reports_parts", False):
+                moved = cast(Callable[..., Optional[int]], fetch)(ref, view, 0, landed=writer.write)
+            else:
+                moved = cast(FetchInto, fetch)(ref, view, 0)
+            if writer.written < ref.size:  # parts the fetch did not report (or none)
+                writer.write(0, ref.size)
+            writer.finish(ref.size)
+        except BaseException:
+            writer.close()
+            os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
+            LANDING.release(buf)
+            raise
+        self._add("bytes_fetched", ref.size if moved is None else moved)
+        self._add("landed", 1.0)
+        return os.fstat(fd).st_size, xxhash.xxh3_128_hexdigest(view)
 
     def _fetch_into(self, ref: ShardRef, fetch: FetchInto, fd: int) -> tuple[int, str]:
         """Run a positional fetch into a writable map of the temp file ``fd``, from byte 0.
@@ -563,6 +638,7 @@ class ShardCache:
             for e, _ in held:
                 log.debug("cache: evicting %s (%d bytes)", e.path, e.size)
                 KEPT.forget(e.path)  # a map kept in this process would keep the disk space
+                LANDING.forget(e.path)
                 unlink_quiet(e.path)
                 self._add("evictions", float(not e.temp))
             return None
@@ -577,14 +653,14 @@ class ShardCache:
                     self._cv.wait()
                 if self._closed:
                     return
-                ref, fetch, earlier = self._plan.pop(0)
+                ref, fetch, earlier, landing = self._plan.pop(0)
             file = file_name(ref.name)
             pin = FileLock.try_take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH | fcntl.LOCK_NB)
             if pin is None:  # being evicted this instant
                 self._add("prefetch_skipped")
                 continue
             try:
-                fd = self._ensure(ref, fetch, file, earlier)
+                fd = self._ensure(ref, fetch, file, earlier, landing)
                 if fd is not None:
                     os.close(fd)
             except Exception as exc:  # the foreground open retries (and resumes) it

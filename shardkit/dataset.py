@@ -264,6 +264,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # cycle through them, each kept map holding an evicted file's disk space.
         source.keep_maps = self.zero_copy and (sum(i.bytes for i in self.ds.shard_list)
                                                <= min(self.cache_limit, keep_budget()))
+        # Landing fills (see landing) only where this process is the one reader of its shards:
+        # DataLoader workers take turns in every shard, and a shard one worker landed would be
+        # read back from disk by the others, where a fill through the page cache serves them all.
+        source.landing = (self.batch_size is not None and self.decode is None and not self.zero_copy
+                          and topo.num_workers == 1)
         self._live = (source, topo)
         self._worker = topo.worker
         # A DataLoader worker waits, between batches, until the loader asks for more; in a

@@ -138,6 +138,14 @@ def _run_part(part: _Part, read: Reader, what: str, where: str) -> None:
             raise translate(exc, what, where) from exc
 
 
+def _reporting(on_part: Callable[[int, int], None], base: int) -> Callable[[_Part, Reader, str, str], None]:
+    def run(part: _Part, read: Reader, what: str, where: str) -> None:
+        lo = part.pos - base
+        _run_part(part, read, what, where)
+        on_part(lo, part.end - base)
+    return run
+
+
 def _fill(part: _Part, readinto: Callable[[memoryview], int | None], what: str) -> None:
     """Call ``readinto`` until the part is complete; an empty read is a truncated body."""
     while part.pos < part.end:
@@ -212,7 +220,8 @@ def _as_bytes_view(out: memoryview | np.ndarray | bytearray) -> memoryview:
 
 def read_into(store: Store, path: str, start: int, end: int, out: memoryview | np.ndarray | bytearray,
               part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY, *,
-              transport: Transport = "auto", counter: ByteCounter | None = None) -> None:
+              transport: Transport = "auto", counter: ByteCounter | None = None,
+              on_part: Callable[[int, int], None] | None = None) -> None:
     """Read bytes ``[start, end)`` of ``store``'s object ``path`` into ``out`` (exactly that many bytes).
 
     Args:
@@ -224,6 +233,8 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
         concurrency: threads for the parts of a larger range.
         transport: ``"auto"``, ``"boto3"`` (S3 only) or ``"fsspec"``.
         counter: also count landed bytes and requests here.
+        on_part: called as ``on_part(lo, hi)`` (offsets into ``out``) in the thread that read
+            each part, once all of it has landed; parts start at multiples of ``part_size``.
 
     Raises:
         ConfigError: bad arguments or ``out`` of the wrong size.
@@ -248,13 +259,14 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
     bounds = list(range(start, end, part_size)) + [end]
     parts = [_Part(view, start, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])]
     where = store.where
+    run = _run_part if on_part is None else _reporting(on_part, start)
     if len(parts) == 1 or concurrency == 1:
         for part in parts:
-            _run_part(part, read, path, where)
+            run(part, read, path, where)
         return
     # A pool per call: threads are cheap next to 16 MB parts, and none outlive the read.
     with ThreadPoolExecutor(max_workers=min(concurrency, len(parts)), thread_name_prefix="shardkit-ranged") as pool:
-        futures = [pool.submit(_run_part, part, read, path, where) for part in parts]
+        futures = [pool.submit(run, part, read, path, where) for part in parts]
         try:
             for fut in futures:
                 fut.result()

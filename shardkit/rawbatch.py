@@ -135,14 +135,16 @@ def _get_checked(source: ShardSource, shard: int, positions: np.ndarray, window:
 def copy_into(copies: Sequence[MemberCopy], outs: Sequence[np.ndarray]) -> None:
     """Make the ``copies`` into ``outs`` (one uint8 array per field). Safe in another thread
     while the held shards stay open: a cached file is read with ``os.preadv``, which releases
-    the GIL (see shardio.Held for why it is not mapped)."""
+    the GIL (see shardio.Held for why it is not mapped); a shard this process just fetched is
+    copied from its landing buffer instead (see landing), which the open shard keeps pinned."""
     for c in copies:
-        fd = c.held.fd
-        if fd >= 0:
-            read_members(fd, outs, c.dsts, c.starts, c.sizes, c.where)
+        src = c.held.hot
+        if src is None and c.held.fd >= 0:
+            read_members(c.held.fd, outs, c.dsts, c.starts, c.sizes, c.where)
             continue
+        src = c.held.array if src is None else src
         for j, out in enumerate(outs):
-            copy_members(out, c.dsts[:, j], c.held.array, c.starts[:, j], c.sizes[:, j])
+            copy_members(out, c.dsts[:, j], src, c.starts[:, j], c.sizes[:, j])
 
 
 def done(source: ShardSource, copies: Sequence[MemberCopy]) -> None:

@@ -18,13 +18,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 import xxhash
 
 from . import ranged
-from .cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, positional
+from .cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
 from .errors import IntegrityError
 from .reader import Dataset, ShardInfo, ShardRows, check_shard_bytes, verify_sample
 from .storage import Store
@@ -122,6 +122,13 @@ class Held:
         return self._array
 
     @property
+    def hot(self) -> np.ndarray | None:
+        """The shard's bytes in this process's landing buffer (from shard byte 0), if it still
+        holds them: copy from here instead of reading the file back. Never hand out views of it."""
+        hot = self.handle.hot if self.handle is not None else None
+        return np.frombuffer(hot, np.uint8) if hot is not None and self.base == 0 else None
+
+    @property
     def fd(self) -> int:
         """The cached file to ``preadv`` from, or -1 when the bytes are in memory."""
         return self.handle.fileno() if self.handle is not None else -1
@@ -165,6 +172,9 @@ class ShardSource:
         self._ahead: dict[int, tuple[int, int, Future[bytes]]] = {}
         # Keep cached shards' maps across epochs (zero-copy reads; see keptmaps).
         self.keep_maps = False
+        # The reader only copies members out of held shards (raw batches): cold downloads may
+        # land in memory first and be copied from there (see landing).
+        self.landing = False
 
     # ---- manifest rows --------------------------------------------------------------------
 
@@ -204,15 +214,18 @@ class ShardSource:
                 self.bytes_fetched += n
         self.store.fetch_into(ref.name, out, start, ref.size, progress=count)
 
-    @positional
-    def fetch_ranged(self, ref: ShardRef, view: memoryview, start: int) -> int:
+    @reports_parts
+    def fetch_ranged(self, ref: ShardRef, view: memoryview, start: int,
+                     landed: Callable[[int, int], None] | None = None) -> int:
         """Fill ``view[start:]`` with ranged GETs of ``FETCH_PART_SIZE``, ``FETCH_CONCURRENCY``
         at a time; a shard of fewer than two parts is one GET in this thread. Each part resumes
-        on its own after a transient fault. Returns the bytes that landed."""
+        on its own after a transient fault, then is reported to ``landed`` (shard offsets).
+        Returns the bytes that landed."""
         counter = ranged.ByteCounter()
+        on_part = None if landed is None else (lambda lo, hi: landed(start + lo, start + hi))
         try:
             ranged.read_into(self.store, ref.name, start, ref.size, view[start:], part_size=FETCH_PART_SIZE,
-                             concurrency=FETCH_CONCURRENCY, transport="boto3", counter=counter)
+                             concurrency=FETCH_CONCURRENCY, transport="boto3", counter=counter, on_part=on_part)
         finally:
             with self._fetched_mu:
                 self.bytes_fetched += counter.bytes
@@ -234,7 +247,7 @@ class ShardSource:
             infos = self.ds.shard_list
             todo = [shard_ref(infos[s]) for s in upcoming if s not in self._held][: self.prefetch]
             if todo:
-                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch)
+                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch, landing=self.landing)
 
     # ---- holding bytes --------------------------------------------------------------------
 
@@ -251,7 +264,7 @@ class ShardSource:
         self.release(window)
         t0 = time.perf_counter()
         if self.cache is not None:
-            handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch)
+            handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
             held = Held(0, handle.ref.size, False, handle=handle, keep_map=self.keep_maps)
         else:
             held = self._direct(shard, self.rows(shard), positions, window)
