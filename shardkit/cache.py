@@ -56,6 +56,7 @@ __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_
 log = logging.getLogger(__name__)
 
 _POLL = 0.05
+MAX_AT_ONCE = 8  # downloads one process's prefetch runs at once, at most
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
 _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
@@ -214,7 +215,7 @@ class ShardCache:
         self._cursor = 0  # schedule positions before this one are past
         self._cv = threading.Condition()
         self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str], bool]] = []
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._closed = False
         with self._global():  # sweep partial downloads of dead processes that nobody adopted
             for e in self._scan():
@@ -276,9 +277,9 @@ class ShardCache:
         return shard
 
     def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2,
-                 landing: bool = False) -> None:
-        """Download the first ``max_ahead`` of ``refs``, in order, in a background thread
-        (``landing`` as for :meth:`open`).
+                 landing: bool = False, at_once: int = 1) -> None:
+        """Download the first ``max_ahead`` of ``refs``, in order, in background threads,
+        ``at_once`` of them at a time (``landing`` as for :meth:`open`).
 
         Replaces the part of an earlier plan not started yet. A prefetch never waits: it
         skips a shard that another process is downloading, that does not fit, or that would
@@ -290,11 +291,12 @@ class ShardCache:
             plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
             self._plan = [(r, fetch, frozenset(file_name(q.name) for q in plan[:i]), landing)
                           for i, r in enumerate(plan)]
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._prefetch_loop, name="shardkit-cache-prefetch",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            while len(self._threads) < min(max(1, at_once), MAX_AT_ONCE, len(plan)):
+                t = threading.Thread(target=self._prefetch_loop, name="shardkit-cache-prefetch", daemon=True)
+                t.start()
+                self._threads.append(t)
+            self._cv.notify_all()
 
     def contains(self, ref: ShardRef) -> bool:
         """Whether ``ref`` is in the cache now (it may be evicted right after: open() decides)."""
@@ -317,9 +319,9 @@ class ShardCache:
         with self._cv:
             self._closed, self._plan = True, []
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for t in self._threads:
+            t.join()
+        self._threads = []
 
     def __enter__(self) -> ShardCache:
         return self

@@ -175,6 +175,9 @@ class ShardSource:
         # The reader only copies members out of held shards (raw batches): cold downloads may
         # land in memory first and be copied from there (see landing).
         self.landing = False
+        # Cache downloads running at once (prefetch threads): more than one only where this
+        # process is the node's one reader of its shards (see StreamingDataset._prefetch).
+        self.at_once = 1
 
     # ---- manifest rows --------------------------------------------------------------------
 
@@ -247,7 +250,8 @@ class ShardSource:
             infos = self.ds.shard_list
             todo = [shard_ref(infos[s]) for s in upcoming if s not in self._held][: self.prefetch]
             if todo:
-                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch, landing=self.landing)
+                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch, landing=self.landing,
+                                    at_once=self.at_once)
 
     # ---- holding bytes --------------------------------------------------------------------
 

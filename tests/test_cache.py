@@ -335,6 +335,17 @@ def test_prefetch_then_open_hits_and_close_stops_thread(tmp_path: Path) -> None:
     assert not any(t.name == "shardkit-cache-prefetch" for t in threading.enumerate())
 
 
+def test_prefetch_downloads_the_planned_shards_at_once(tmp_path: Path) -> None:
+    # at_once=3: each planned shard gets a download thread of its own, so all three are in
+    # flight (their temp files exist) together.
+    s = make_store(tmp_path, [2 * MB] * 3)
+    with s.cache(100 * MB) as cache:
+        cache.prefetch(s.refs, replace(s.remote, delay=0.05), max_ahead=3, at_once=3)
+        wait_for(lambda: len(s.temps()) == 3)
+        wait_for(lambda: s.cached() == {r.name for r in s.refs})
+        assert cache.stats()["prefetched"] == 3 and sorted(c[0] for c in s.remote.calls()) == [r.name for r in s.refs]
+
+
 def test_prefetch_stays_within_limit_and_skips_what_does_not_fit(tmp_path: Path) -> None:
     s = make_store(tmp_path, [1 * MB] * 6)
     limit = int(2.5 * MB)

@@ -360,3 +360,15 @@ def test_cold_batches_land_and_match_the_source_s3(s3_env: Any, s3_bucket: str, 
     got, st = epoch(tmp_path / "z", zero_copy=True)
     assert got == content and st["landed"] == 0
 
+
+def test_default_prefetch_is_four_for_one_reader_process_and_two_per_worker(tmp_path: Path) -> None:
+    from randomds import pack_random
+    from shardkit import StreamingDataset
+    from shardkit.topology import Topology
+
+    url, _ = pack_random(tmp_path, n=20, max_body=100, classes=2, shard_bytes="1MB", seed=0, prefix="p")
+    alone, worker = Topology(0, 1, 0, 1), Topology(0, 1, 1, 2)
+    cached = StreamingDataset(url, cache_dir=tmp_path / "c", batch_size=4)
+    assert cached._prefetch(alone) == 4 and cached._prefetch(worker) == 2
+    assert StreamingDataset(url, batch_size=4)._prefetch(alone) == 2  # no cache: spans held in memory
+    assert StreamingDataset(url, cache_dir=tmp_path / "c", prefetch=1)._prefetch(alone) == 1
