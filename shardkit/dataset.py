@@ -552,8 +552,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """Counters of this rank since the dataset was made, summed over its processes.
 
         Keys: ``bytes_fetched`` (from storage), ``hits``/``misses`` (foreground cache opens
-        that found / downloaded the shard), ``prefetched`` (background downloads),
-        ``evictions``, ``corrupt_refetches``, ``direct_reads`` (ranged reads without cache),
+        that found / downloaded the shard), ``prefetched`` (background downloads), ``landed``
+        (downloads through a landing buffer, see landing), ``evictions``, ``corrupt_refetches``,
+        ``direct_reads`` (ranged reads without cache),
         ``samples``, ``wait_seconds`` (time blocked on data) and ``wait_seconds_per_worker``.
         Workers write snapshots about once a second and at the end of each epoch.
         """
@@ -568,7 +569,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             for k, v in data.items():
                 total[k] = total.get(k, 0) + v
             per_worker[os.path.basename(path)[6:-5]] = data.get("wait_seconds", 0.0)
-        for k in ("bytes_fetched", "hits", "misses", "prefetched", "evictions", "corrupt_refetches",
+        for k in ("bytes_fetched", "hits", "misses", "prefetched", "landed", "evictions", "corrupt_refetches",
                   "direct_reads", "samples"):
             total[k] = int(total.get(k, 0))
         total.setdefault("wait_seconds", 0.0)
