@@ -1,0 +1,126 @@
+"""Where a cold epoch's time goes: wall seconds and CPU seconds (this process and the S3
+server) of the GET ceiling, of the same GETs into new files, and of shardkit cold epochs with
+and without landing fills, interleaved over a few rounds in one run.
+
+    .venv/bin/python -m benchmarks.bench_cold [--count 20000] [--rounds 3]
+
+On the 2-core benchmark box the GET ceiling keeps both cores busy, so a cold epoch can only
+come near it by spending no more CPU than the GETs themselves. Writes results/cold.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into,  # noqa: E402
+                               settle_disk, time_loader, touch_count)
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def measured(fn: Callable[[], Any], server_pid: int) -> dict[str, float]:
+    c0, s0, t0 = own_cpu(), process_cpu(server_pid), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    client, server = own_cpu() - c0, process_cpu(server_pid) - s0
+    return {"wall_s": wall, "client_cpu_s": client, "server_cpu_s": server, "cores_busy": (client + server) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    import torch  # noqa: F401 - imported before the clocks (the first loader would import it)
+
+    import shardkit
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.keptmaps import KEPT
+    from shardkit.sampledata import make_image_folder
+
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="shardkit-bench-cold-"))
+    folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    rows: dict[str, list[dict[str, float]]] = {}
+
+    def rec(name: str, m: dict[str, float]) -> None:
+        rows.setdefault(name, []).append(m)
+        print(f"{name:44s} {m['wall_s']:6.2f} s   client CPU {m['client_cpu_s']:5.2f} s   server CPU "
+              f"{m['server_cpu_s']:5.2f} s   {m['cores_busy']:.2f} cores busy", flush=True)
+
+    with Weed() as server:
+        os.environ.update(server.env())
+        client = boto3_client(server.env())
+        client.create_bucket(Bucket="bench")
+        url = "s3://bench/ds"
+        shardkit.pack(str(folder), url, shard_bytes="64MB", progress=False)
+        ds = shardkit.open_dataset(url)
+        objects = [(f"ds/{i.path}", i.bytes) for i in ds.shard_list]
+        total = sum(b for _, b in objects)
+        jobs = part_jobs(objects, 8 << 20)
+
+        def cold(landing: bool, cache: Path) -> None:
+            os.environ["SHARDKIT_LANDING_BYTES"] = "512MiB" if landing else "0"
+            sd = StreamingDataset(url, cache_dir=cache, batch_size=256, shuffle=False)
+            settle_disk()
+            rec(f"shardkit cold, 2 read threads, {'landing fill' if landing else 'map fill'}",
+                measured(lambda: time_loader(StreamingDataLoader(sd, num_workers=0), touch_count), server.pid))
+            shutil.rmtree(cache)
+            KEPT.clear()
+
+        # Untimed: one cold epoch through maps, so that imports, S3 clients and manifest reads
+        # are paid before the first row (the first landing row still pays its buffers' first touch).
+        os.environ["SHARDKIT_LANDING_BYTES"] = "0"
+        time_loader(StreamingDataLoader(StreamingDataset(url, cache_dir=work / "warm-up", batch_size=256,
+                                                         shuffle=False), num_workers=0), touch_count)
+        shutil.rmtree(work / "warm-up")
+        KEPT.clear()
+        for r in range(args.rounds):
+            bufs = {k: bytearray(b) for k, b in objects}  # allocated before the clock, as in bench_read
+            for _ in range(3):
+                rec("GET x8 into memory (ceiling)", measured(lambda: ranged_get_into(client, "bench", jobs, bufs),
+                                                             server.pid))
+            bufs.clear()
+            into = work / f"files-{r}"
+            maps = new_file_maps(into, objects)
+            settle_disk()
+            rec("GET x8 into new files, through maps", measured(lambda: ranged_get_into(client, "bench", jobs, maps),
+                                                                server.pid))
+            for m in maps.values():
+                m.close()
+            shutil.rmtree(into)
+            for landing in ((True, False) if r % 2 == 0 else (False, True)):
+                cold(landing, work / f"cache-{r}-{landing}")
+    shutil.rmtree(work, ignore_errors=True)
+    dest = Path(__file__).resolve().parent / "results" / "cold.json"
+    dest.parent.mkdir(exist_ok=True)
+    dest.write_text(json.dumps({"count": args.count, "shard_bytes": total,
+                                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                                "command": "python -m benchmarks.bench_cold " + " ".join(sys.argv[1:]),
+                                "load_avg_end": os.getloadavg(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
