@@ -10,7 +10,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar, NamedTuple, cast
 from urllib.parse import quote
 
 import xxhash
@@ -151,6 +151,19 @@ def list_with_stat(path: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
     except FileNotFoundError:
         pass  # a namespace without a .tmp dir holds nothing in flight
     return out
+
+
+class FileId(NamedTuple):
+    """One version of one file: a replaced file (new inode) or a write (new mtime) differs."""
+
+    dev: int
+    ino: int
+    mtime_ns: int  # a verified cache file's mtime is the cache's stamp: any write moves it
+    size: int
+
+    @staticmethod
+    def of(st: os.stat_result) -> FileId:
+        return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 @dataclass

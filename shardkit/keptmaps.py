@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from typing import NamedTuple
 
+from .cachefs import FileId
 from .config import parse_size
 
 __all__ = ["KeptMaps", "KEPT", "keep_budget"]
@@ -42,19 +43,8 @@ def keep_budget() -> int:
     return 0 if raw == "0" else parse_size(raw, "SHARDKIT_KEEP_MAPS")
 
 
-class _FileId(NamedTuple):
-    dev: int
-    ino: int
-    mtime_ns: int  # the cache's verified stamp: any write to the file moves it
-    size: int
-
-    @staticmethod
-    def of(st: os.stat_result) -> _FileId:
-        return _FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
 class _Kept(NamedTuple):
-    file: _FileId
+    file: FileId
     map: mmap.mmap
 
 
@@ -73,7 +63,7 @@ class KeptMaps:
         budget = keep_budget()
         if size <= 0 or size > budget:
             return None
-        here = _FileId.of(os.fstat(fd))
+        here = FileId.of(os.fstat(fd))
         with self._mu:
             self._prune_locked()
             kept = self._maps.get(path)
@@ -122,7 +112,7 @@ class KeptMaps:
         self._pruned = now
         for path, kept in list(self._maps.items()):
             try:
-                same = _FileId.of(os.stat(path))[:2] == kept.file[:2]
+                same = FileId.of(os.stat(path))[:2] == kept.file[:2]
             except OSError:
                 same = False
             if not same:

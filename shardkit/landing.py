@@ -2,14 +2,19 @@
 
 A cold cache fill through a map of the new file makes the kernel hand out a fresh page-cache
 page for every 4 KiB, and on the benchmark VM memory the guest has not touched lately comes
-slowly (~1.7 GB/s, measured by ``benchmarks/bench_fill.py``): the fill then runs at ~0.6x the
-rate of the same GETs into reused memory. So a copying reader's fill goes instead:
+slowly (0.7-1.8 GB/s, ``benchmarks/bench_fill.py``): ~0.7 s of extra client CPU per 1.27 GB,
+on 2 cores the GETs already keep busy. So the fill of a reader that only copies out of its
+shards, alone in its process (``num_workers=0``), goes instead:
 
 1. ranged GETs into a landing buffer: anonymous memory this process reuses shard after shard;
 2. each part written to the temp file with ``O_DIRECT`` as it lands (the kernel moves it to
    the disk from the buffer; no page-cache page is made), the hash over the buffer, the rename;
 3. the buffer stays attached to the published file (*hot*), so this process's first reads of
    the shard copy from memory instead of reading the file back from disk.
+
+Measured (``benchmarks/bench_cold.py``, 1.27 GB cold epochs, 2 read threads): 0.84-0.85x the
+8-way GET ceiling of the same round, against 0.69-0.71x through maps; the process's first
+landing epoch 0.75x (it touches its buffers for the first time).
 
 The file still holds every byte, verified: other processes, later epochs and a restart read
 it as before. Not in the page cache after the fill is the point for a dataset larger than
@@ -31,8 +36,8 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
 
+from .cachefs import FileId
 from .config import parse_size
 
 __all__ = ["Landing", "LandingPool", "LANDING", "landing_budget", "DirectWriter", "BLOCK"]
@@ -53,17 +58,6 @@ def landing_budget() -> int:
     return 0 if raw == "0" else parse_size(raw, "SHARDKIT_LANDING_BYTES")
 
 
-class _FileId(NamedTuple):
-    dev: int
-    ino: int
-    mtime_ns: int  # the cache's verified stamp: a write to the file moves it
-    size: int
-
-    @staticmethod
-    def of(st: os.stat_result) -> _FileId:
-        return _FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
 class Landing:
     """One reusable page-aligned buffer of ``capacity`` bytes (a multiple of :data:`BLOCK`)."""
 
@@ -72,7 +66,7 @@ class Landing:
         self.map = mmap.mmap(-1, capacity)
         self.size = 0  # bytes of the shard it holds
         self.pins = 0  # a fill writing it, or open shards reading it
-        self.hot: tuple[str, _FileId] | None = None  # the published file it holds, if any
+        self.hot: tuple[str, FileId] | None = None  # the published file it holds, if any
 
     def view(self) -> memoryview:
         """The shard's bytes (``size`` of them)."""
@@ -158,7 +152,7 @@ class LandingPool:
             old = self._hot.pop(path, None)
             if old is not None and old is not buf:
                 old.hot = None
-            buf.hot = (path, _FileId.of(st))
+            buf.hot = (path, FileId.of(st))
             self._hot[path] = buf
             buf.pins -= 1
 
@@ -166,7 +160,7 @@ class LandingPool:
         """The buffer holding the file ``path`` exactly as ``st`` describes it, pinned; or None."""
         with self._mu:
             buf = self._hot.get(path)
-            if buf is None or buf.hot is None or buf.hot[1] != _FileId.of(st):
+            if buf is None or buf.hot is None or buf.hot[1] != FileId.of(st):
                 return None
             self._hot.move_to_end(path)
             buf.pins += 1
