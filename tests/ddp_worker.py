@@ -18,7 +18,7 @@ def main() -> None:
     ds = StreamingDataset(cfg["url"], cache_dir=cfg["cache_dir"], cache_limit=cfg.get("cache_limit", "10GB"),
                           shuffle=cfg.get("shuffle", True), seed=11, batch_size=cfg["batch_size"],
                           shuffle_block=cfg.get("shuffle_block", 4))
-    loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"], persistent_workers=True)
+    loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"], persistent_workers=cfg["num_workers"] > 0)
     out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "epochs": [], "len": len(loader)}
     if cfg.get("state_in"):
         with open(cfg["state_in"]) as f:

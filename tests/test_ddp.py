@@ -76,6 +76,25 @@ def test_two_ranks_one_cache_two_epochs(s3_dataset: tuple[str, set[str], Any], t
     assert sum(r["stats"]["bytes_fetched"] for r in res) == sum(ds.shards.column("bytes").to_pylist())
 
 
+def test_two_ranks_reading_in_their_main_processes_share_one_cache(s3_dataset: tuple[str, set[str], Any],
+                                                                   tmp_path: Path) -> None:
+    # num_workers=0: each rank fills packed batches itself, downloads 4 shards at once, and lands
+    # them in memory (O_DIRECT to the shared cache); a shard both ranks need is fetched by one,
+    # and the other reads the file.
+    url, keys, ds = s3_dataset
+    cache = str(tmp_path / "cache")
+    res = run_ranks(tmp_path, 2, [cache, cache], url=url, epochs=2, num_workers=0)
+    orders = []
+    for e in range(2):
+        seen = [k for r in res for k in r["epochs"][e]["keys"]]
+        assert Counter(seen) == Counter(keys)
+        assert res[0]["epochs"][e]["steps"] == res[1]["epochs"][e]["steps"] == res[0]["len"]
+        orders.append([r["epochs"][e]["keys"] for r in res])
+    assert orders[0] != orders[1]
+    downloads = sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in res)
+    assert downloads == ds.num_shards == sum(r["stats"]["landed"] for r in res)
+
+
 def test_two_nodes_each_cache_downloads_once(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
     url, keys, ds = s3_dataset
     a, b = str(tmp_path / "nodeA"), str(tmp_path / "nodeB")
