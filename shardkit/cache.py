@@ -479,6 +479,7 @@ class ShardCache:
                         raise
                     if buf is not None:
                         LANDING.publish(buf, self._final(file), os.fstat(fd))
+                        self._add("landed", 1.0)
                     return True
             finally:
                 os.close(fd)
@@ -516,7 +517,6 @@ class ShardCache:
             LANDING.release(buf)
             raise
         self._add("bytes_fetched", ref.size if moved is None else moved)
-        self._add("landed", 1.0)
         return os.fstat(fd).st_size, xxhash.xxh3_128_hexdigest(view)
 
     def _fetch_into(self, ref: ShardRef, fetch: FetchInto, fd: int) -> tuple[int, str]:

@@ -201,7 +201,6 @@ class DirectWriter:
 
     def __init__(self, path: str, buf: Landing) -> None:
         self.buf, self.path = buf, path
-        self.direct = True
         self._mu = threading.Lock()
         self._written = 0
         try:

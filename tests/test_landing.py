@@ -289,7 +289,7 @@ def test_corrupt_landing_fill_raises_after_one_retry_and_unpins(tmp_path: Path) 
     with s.cache(100 * MB) as cache:
         with pytest.raises(IntegrityError, match=s.refs[0].name):
             cache.open(s.refs[0], fetch, landing=True)
-        assert s.temps() == [] and not s.final(s.refs[0]).exists()
+        assert s.temps() == [] and not s.final(s.refs[0]).exists() and cache.stats()["landed"] == 0
     assert len(fetch.calls()) == 2 and set(pins()) <= {0}
 
 
