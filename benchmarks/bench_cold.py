@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into,  # noqa: E402
+from benchmarks.common import (new_file_maps, packed_on_weed, part_jobs, ranged_get_into,  # noqa: E402
                                settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -70,12 +70,7 @@ def main() -> None:
         print(f"{name:44s} {m['wall_s']:6.2f} s   client CPU {m['client_cpu_s']:5.2f} s   server CPU "
               f"{m['server_cpu_s']:5.2f} s   {m['cores_busy']:.2f} cores busy", flush=True)
 
-    with Weed() as server:
-        os.environ.update(server.env())
-        client = boto3_client(server.env())
-        client.create_bucket(Bucket="bench")
-        url = "s3://bench/ds"
-        shardkit.pack(str(folder), url, shard_bytes="64MB", progress=False)
+    with packed_on_weed(folder) as (server, client, url):
         ds = shardkit.open_dataset(url)
         objects = [(f"ds/{i.path}", i.bytes) for i in ds.shard_list]
         total = sum(b for _, b in objects)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into,  # noqa: E402
-                               settle_disk, time_loader, touch_count, touched_bytes)
+from benchmarks.common import (boto3_client, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
+                               ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
@@ -50,12 +50,7 @@ def main() -> None:
         out[name] = {"seconds": seconds, "samples": n, "samples_per_s": n / seconds, "MB_per_s": nbytes / seconds / 1e6}
         print(f"{name:40s} {n / seconds:10.0f} samples/s {nbytes / seconds / 1e6:9.0f} MB/s")
 
-    with Weed() as server:
-        os.environ.update(server.env())
-        client = boto3_client(server.env())
-        client.create_bucket(Bucket="bench")
-        url = "s3://bench/ds"
-        shardkit.pack(str(folder), url, shard_bytes="64MB", progress=False)
+    with packed_on_weed(folder) as (_, client, url):
         ds = shardkit.open_dataset(url)
         shards = [(i.path, i.bytes) for i in ds.shard_list]
         sbytes = sum(b for _, b in shards)

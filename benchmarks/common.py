@@ -6,6 +6,7 @@ none of it is imported by ``shardkit`` itself. Secrets never reach stdout, JSON 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -14,7 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from shardkit import devserver
 
@@ -48,6 +49,21 @@ class Weed(devserver.DevServer):
 
     def __init__(self, timeout: float = 30.0) -> None:
         super().__init__(timeout=timeout, key_prefix="bk")
+
+
+@contextlib.contextmanager
+def packed_on_weed(folder: Path, shard_bytes: str = "64MB") -> Iterator[tuple[S3Server, Any, str]]:
+    """A throwaway SeaweedFS (the AWS_* variables of this process point at it) with ``folder``
+    packed by shardkit into ``s3://bench/ds``; yields (server, boto3 client, dataset URL)."""
+    import shardkit
+
+    with Weed() as server:
+        os.environ.update(server.env())
+        client = boto3_client(server.env())
+        client.create_bucket(Bucket="bench")
+        url = "s3://bench/ds"
+        shardkit.pack(str(folder), url, shard_bytes=shard_bytes, progress=False)
+        yield server, client, url
 
 
 def boto3_client(server_env: dict[str, str] | None = None, max_pool: int = 16) -> Any:
