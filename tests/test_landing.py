@@ -1,8 +1,8 @@
 """Landing fills: cold downloads land in a reused buffer, go to the cache file with O_DIRECT,
 and this process copies its first reads of the shard from the buffer.
 
-Local files stand in for the object store (test_cache.py's fake); the last tests stream cold
-epochs from the real SeaweedFS fixture.
+Local files stand in for the object store (test_cache.py's fake); one test streams cold epochs
+from the real SeaweedFS fixture (test_ddp.py has two ranks doing it through one node cache).
 """
 
 from __future__ import annotations
