@@ -52,7 +52,7 @@ class Weed(devserver.DevServer):
 
 
 @contextlib.contextmanager
-def packed_on_weed(folder: Path, shard_bytes: str = "64MB") -> Iterator[tuple[S3Server, Any, str]]:
+def packed_on_weed(folder: Path, shard_bytes: str = "64MB") -> Iterator[tuple[devserver.S3Server, Any, str]]:
     """A throwaway SeaweedFS (the AWS_* variables of this process point at it) with ``folder``
     packed by shardkit into ``s3://bench/ds``; yields (server, boto3 client, dataset URL)."""
     import shardkit

@@ -21,7 +21,7 @@ import pytest
 from shardkit import landing
 from shardkit.cache import ShardRef, reports_parts
 from shardkit.errors import ConfigError, IntegrityError
-from shardkit.landing import LANDING, DirectWriter, LandingPool
+from shardkit.landing import LANDING, DirectWriter, Landing, LandingPool
 from test_cache import MB, Store, make_store
 from test_cold_fetch import PosRemote, pos_store
 
@@ -82,6 +82,15 @@ def direct_bypasses_page_cache(directory: Path) -> bool:
         return in_page_cache(probe) is False
     finally:
         probe.unlink()
+
+
+def buffer_holding(data: bytes, path: Path) -> tuple[Landing, Path]:
+    """A pinned landing buffer holding ``data``, and an empty file at ``path`` to write it to."""
+    buf = LANDING.take(len(data))
+    assert buf is not None
+    buf.map[:len(data)] = data
+    path.write_bytes(b"")
+    return buf, path
 
 
 def pins(pool: LandingPool = LANDING) -> list[int]:
@@ -188,11 +197,7 @@ def test_forked_child_starts_with_an_empty_pool() -> None:
 def test_direct_writer_writes_parts_out_of_order_and_cuts_to_size(tmp_path: Path) -> None:
     size = 3 * MB + 123
     data = np.random.default_rng(1).bytes(size)
-    buf = LANDING.take(size)
-    assert buf is not None
-    buf.map[:size] = data
-    path = tmp_path / "f"
-    path.write_bytes(b"")
+    buf, path = buffer_holding(data, tmp_path / "f")
     w = DirectWriter(str(path), buf)
     assert w.direct == direct_supported(tmp_path)
     threads = [threading.Thread(target=w.write, args=(lo, min(size, lo + MB))) for lo in range(0, size, MB)][::-1]
@@ -211,11 +216,7 @@ def test_direct_writer_writes_parts_out_of_order_and_cuts_to_size(tmp_path: Path
 def test_direct_writer_falls_back_when_the_device_refuses_a_write(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     data = bytes(range(256)) * 40
-    buf = LANDING.take(len(data))
-    assert buf is not None
-    buf.map[:len(data)] = data
-    path = tmp_path / "f"
-    path.write_bytes(b"")
+    buf, path = buffer_holding(data, tmp_path / "f")
     real, refused = os.pwrite, []
 
     def pwrite(fd: int, chunk: Any, offset: int) -> int:  # a device with stricter alignment
@@ -240,11 +241,7 @@ def test_direct_writer_unaligned_offsets_still_land_whole(tmp_path: Path) -> Non
     # O_DIRECT on a disk refuses an offset that is not a multiple of the block (then the writer
     # goes buffered); tmpfs takes it. Either way the file ends up with exactly the bytes.
     data = bytes(range(256)) * 40
-    buf = LANDING.take(len(data))
-    assert buf is not None
-    buf.map[:len(data)] = data
-    path = tmp_path / "f"
-    path.write_bytes(b"")
+    buf, path = buffer_holding(data, tmp_path / "f")
     w = DirectWriter(str(path), buf)
     w.write(100, len(data))
     w.write(0, 100)
