@@ -6,6 +6,7 @@ is called, never at import time.
 
 from __future__ import annotations
 
+import os
 import re
 
 from .errors import ConfigError
@@ -37,6 +38,15 @@ def parse_size(value: int | float | str, option: str) -> int:
     if n <= 0:
         raise ConfigError(f"{option}: size must be positive, got {value!r}")
     return n
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A byte budget from environment variable ``name`` (read now): unset or empty gives
+    ``default``, ``0`` turns the feature off, anything else is a size (ConfigError naming it)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    return 0 if raw == "0" else parse_size(raw, name)
 
 
 def human_bytes(n: float) -> str:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from .cachefs import FileId
-from .config import parse_size
+from .config import env_bytes
 
 __all__ = ["KeptMaps", "KEPT", "keep_budget"]
 
@@ -37,10 +37,7 @@ PRUNE_EVERY = 1.0  # seconds between checks that kept files still exist
 
 def keep_budget() -> int:
     """Bytes of cache files one process may keep mapped (``SHARDKIT_KEEP_MAPS``, read now)."""
-    raw = os.environ.get("SHARDKIT_KEEP_MAPS", "").strip()
-    if not raw:
-        return DEFAULT_BUDGET
-    return 0 if raw == "0" else parse_size(raw, "SHARDKIT_KEEP_MAPS")
+    return env_bytes("SHARDKIT_KEEP_MAPS", DEFAULT_BUDGET)
 
 
 class _Kept(NamedTuple):

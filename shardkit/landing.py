@@ -38,7 +38,7 @@ import threading
 from collections import OrderedDict
 
 from .cachefs import FileId
-from .config import parse_size
+from .config import env_bytes
 
 __all__ = ["Landing", "LandingPool", "LANDING", "landing_budget", "DirectWriter", "BLOCK"]
 
@@ -52,10 +52,7 @@ _GRAIN = 2**20  # buffer sizes round up to this, so shards of nearly equal size 
 
 def landing_budget() -> int:
     """Bytes of landing buffers one process may hold (``SHARDKIT_LANDING_BYTES``, read now)."""
-    raw = os.environ.get("SHARDKIT_LANDING_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_BUDGET
-    return 0 if raw == "0" else parse_size(raw, "SHARDKIT_LANDING_BYTES")
+    return env_bytes("SHARDKIT_LANDING_BYTES", DEFAULT_BUDGET)
 
 
 class Landing:
