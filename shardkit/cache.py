@@ -117,10 +117,15 @@ class CachedShard:
         self._fd, self._pin = fd, pin
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
-        # The landing buffer this process fetched the shard into, when it still holds it:
-        # the same verified bytes, in memory (copy from it; never hand out views of it).
+        # The landing buffer this process fetched the shard into, when it still holds it.
         self._landing: Landing | None = None
-        self.hot: memoryview | None = None
+
+    @property
+    def hot(self) -> memoryview | None:
+        """The shard's verified bytes in this process's landing buffer, while the shard is open
+        (``open(landing=True)``, when the buffer still holds them): copy from them, never hand
+        out views of them."""
+        return self._landing.view() if self._landing is not None else None
 
     def fileno(self) -> int:
         """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies."""
@@ -167,7 +172,6 @@ class CachedShard:
         os.close(self._fd)
         self._fd = -1
         if self._landing is not None:
-            self.hot = None
             LANDING.release(self._landing)
             self._landing = None
         self._pin.release()
@@ -273,7 +277,6 @@ class ShardCache:
         shard.verified = st.st_mtime_ns == verified_stamp_ns(ref.checksum)
         if landing and shard.verified:
             shard._landing = LANDING.hot(shard.path, st)
-            shard.hot = shard._landing.view() if shard._landing is not None else None
         return shard
 
     def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2,
@@ -444,17 +447,14 @@ class ShardCache:
             start = 0  # a positional partial file cannot be resumed from its length
         for attempt in (1, 2):
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+            buf = LANDING.take(ref.size) if into and landing else None  # pinned until published
             try:
                 if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
                     preallocate(fd, ref.size)
-                buf = LANDING.take(ref.size) if into and landing else None
                 if buf is not None:
                     pos, digest = self._fetch_landed(ref, fetch, fd, tmp, buf)
                     ok = pos == ref.size and digest == ref.checksum.lower()
-                    if not ok:
-                        LANDING.release(buf)
-                        buf = None
                 elif into:
                     pos, digest = self._fetch_into(ref, cast(FetchInto, fetch), fd)
                     ok = pos == ref.size and digest == ref.checksum.lower()
@@ -469,19 +469,17 @@ class ShardCache:
                         self._add("bytes_fetched", sink.pos - start)
                     ok, pos, digest = sink.ok(), sink.pos, sink.digest()
                 if ok:
-                    try:
-                        stamp_verified(fd, ref.checksum)
-                        with self._global():
-                            os.replace(tmp, self._final(file))
-                    except BaseException:
-                        if buf is not None:
-                            LANDING.release(buf)
-                        raise
+                    stamp_verified(fd, ref.checksum)
+                    with self._global():
+                        os.replace(tmp, self._final(file))
                     if buf is not None:
-                        LANDING.publish(buf, self._final(file), os.fstat(fd))
+                        LANDING.publish(buf, self._final(file), os.fstat(fd))  # unpins it
+                        buf = None
                         self._add("landed", 1.0)
                     return True
             finally:
+                if buf is not None:
+                    LANDING.release(buf)
                 os.close(fd)
             log.warning("cache: shard %s: got %d bytes with xxh3 %s from byte %d (attempt %d); the "
                         "manifest says %d bytes with %s", ref.name, pos, digest, start,
@@ -497,8 +495,8 @@ class ShardCache:
         """Run a positional fetch into the landing buffer ``buf``, writing each reported part to
         the temp file (``O_DIRECT``) as it lands, and anything unreported after.
 
-        Returns (file size, xxh3-128 of the buffer). On failure the file is emptied and ``buf``
-        unpinned, as in :meth:`_fetch_into`, and the error is raised.
+        Returns (file size, xxh3-128 of the buffer). On failure the file is emptied, as in
+        :meth:`_fetch_into`, and the error is raised (the caller unpins ``buf``).
         """
         os.ftruncate(fd, ref.size)
         writer = DirectWriter(tmp, buf)
@@ -514,7 +512,6 @@ class ShardCache:
         except BaseException:
             writer.close()
             os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
-            LANDING.release(buf)
             raise
         self._add("bytes_fetched", ref.size if moved is None else moved)
         return os.fstat(fd).st_size, xxhash.xxh3_128_hexdigest(view)
