@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (new_file_maps, packed_on_weed, part_jobs, ranged_get_into,  # noqa: E402
+from benchmarks.common import (drop_cache, new_file_maps, packed_on_weed, part_jobs, ranged_get_into,  # noqa: E402
                                settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -57,7 +57,6 @@ def main() -> None:
 
     import shardkit
     from shardkit import StreamingDataLoader, StreamingDataset
-    from shardkit.keptmaps import KEPT
     from shardkit.sampledata import make_image_folder
 
     started = time.time()
@@ -82,16 +81,14 @@ def main() -> None:
             settle_disk()
             rec(f"shardkit cold, 2 read threads, {'landing fill' if landing else 'map fill'}",
                 measured(lambda: time_loader(StreamingDataLoader(sd, num_workers=0), touch_count), server.pid))
-            shutil.rmtree(cache)
-            KEPT.clear()
+            drop_cache(cache)
 
         # Untimed: one cold epoch through maps, so that imports, S3 clients and manifest reads
         # are paid before the first row (the first landing row still pays its buffers' first touch).
         os.environ["SHARDKIT_LANDING_BYTES"] = "0"
         time_loader(StreamingDataLoader(StreamingDataset(url, cache_dir=work / "warm-up", batch_size=256,
                                                          shuffle=False), num_workers=0), touch_count)
-        shutil.rmtree(work / "warm-up")
-        KEPT.clear()
+        drop_cache(work / "warm-up")
         for r in range(args.rounds):
             bufs = {k: bytearray(b) for k, b in objects}  # allocated before the clock, as in bench_read
             for _ in range(3):

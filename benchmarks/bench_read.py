@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (boto3_client, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
+from benchmarks.common import (boto3_client, drop_cache, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
                                ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
 
 
@@ -36,7 +36,6 @@ def main() -> None:
     import shardkit
     from shardkit import StreamingDataLoader, StreamingDataset
     from shardkit.batching import collate
-    from shardkit.keptmaps import KEPT
     from shardkit.sampledata import make_image_folder
 
     started = time.time()
@@ -114,8 +113,7 @@ def main() -> None:
                 # A second cold epoch in this process (its cache deleted first): what every epoch
                 # of a dataset larger than its cache costs, once the process's one-off set-up
                 # (landing buffers in memory never touched before, clients, threads) is paid.
-                shutil.rmtree(cache)
-                KEPT.clear()
+                drop_cache(cache)
                 sec, n = stream(handoff, cache)
                 rec(f"shardkit cold again {label}", sec, n, sbytes)
             # Warm: the best of three epochs (each a new loader), as the cat ceiling below is
@@ -132,10 +130,7 @@ def main() -> None:
                     subprocess.run(["cat", *cached], stdout=subprocess.DEVNULL, check=True)
                     best = min(best, time.perf_counter() - t0)
                 rec("ceiling: cat cached shards", best, ds.num_samples, sbytes)
-            shutil.rmtree(cache)  # the next row's cold fill must not pay for this row's pages
-            # Nor for letting go of them: kept maps (zero-copy) hold the deleted files until the
-            # next shard open prunes them, which would free 1.3 GB inside the next row's clock.
-            KEPT.clear()
+            drop_cache(cache)  # the next row's cold fill must not pay for this row's pages
 
         def touch_list(b: list) -> int:  # a list of bytes / arrays: read it like every other row
             touch_count({"payload": b})
