@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (drop_cache, new_file_maps, packed_on_weed, part_jobs, ranged_get_into,  # noqa: E402
-                               settle_disk, time_loader, touch_count)
+from benchmarks.common import (CEILING_PARTS, drop_cache, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
+                               ranged_get_into, settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -73,7 +73,6 @@ def main() -> None:
         ds = shardkit.open_dataset(url)
         objects = [(f"ds/{i.path}", i.bytes) for i in ds.shard_list]
         total = sum(b for _, b in objects)
-        jobs = part_jobs(objects, 8 << 20)
 
         def cold(landing: bool, cache: Path) -> None:
             os.environ["SHARDKIT_LANDING_BYTES"] = "512MiB" if landing else "0"
@@ -91,15 +90,16 @@ def main() -> None:
         drop_cache(work / "warm-up")
         for r in range(args.rounds):
             bufs = {k: bytearray(b) for k, b in objects}  # allocated before the clock, as in bench_read
-            for _ in range(3):
-                rec("GET x8 into memory (ceiling)", measured(lambda: ranged_get_into(client, "bench", jobs, bufs),
-                                                             server.pid))
+            for part in CEILING_PARTS:  # the round's ceiling: the fastest of these (common.get_ceiling)
+                jobs = part_jobs(objects, part)
+                rec(f"GET x8 into memory, {part >> 20} MiB parts", measured(
+                    lambda: ranged_get_into(client, "bench", jobs, bufs), server.pid))
             bufs.clear()
             into = work / f"files-{r}"
             maps = new_file_maps(into, objects)
             settle_disk()
-            rec("GET x8 into new files, through maps", measured(lambda: ranged_get_into(client, "bench", jobs, maps),
-                                                                server.pid))
+            rec("GET x8 into new files, through maps, 16 MiB parts", measured(
+                lambda: ranged_get_into(client, "bench", part_jobs(objects, 16 << 20), maps), server.pid))
             for m in maps.values():
                 m.close()
             shutil.rmtree(into)

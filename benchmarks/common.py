@@ -124,23 +124,51 @@ def drop_cache(cache: Path) -> None:
 def ranged_get_into(client: Any, bucket: str, jobs: Sequence[tuple[str, int, int]], dest: Mapping[str, Any],
                     threads: int = 8) -> int:
     """GET each ``(key, lo, hi)`` byte range of ``bucket`` into ``dest[key][lo:hi]``, ``threads``
-    at a time, with ``readinto`` on the raw response (no intermediate bytes). Returns the bytes
-    moved; a range the server ends early raises OSError. The GET ceilings of the benchmarks."""
+    at a time. Returns the bytes moved; a range the server ends early raises OSError. The GET
+    ceilings of the benchmarks, so the leanest read boto3 allows: ``readinto`` of http.client's
+    response, socket -> ``dest`` (urllib3's ``readinto`` reads into new bytes, then copies them:
+    ~0.1 s more client CPU per 1.27 GB here), the read shardkit's own boto3 transport makes."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(job: tuple[str, int, int]) -> int:
         key, lo, hi = job
         raw = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]._raw_stream
+        readinto = getattr(getattr(raw, "_fp", None), "readinto", raw.readinto)
         view = memoryview(dest[key])[lo:hi]
         while view.nbytes:
-            got = raw.readinto(view)
+            got = readinto(view)
             if not got:
                 raise OSError(f"s3://{bucket}/{key}: the server ended the range {lo}-{hi} early")
             view = view[got:]
+        raw.release_conn()
         return hi - lo
 
     with ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(one, jobs))
+
+
+CEILING_PARTS = (8 << 20, 16 << 20, 32 << 20)
+"""Part sizes a GET ceiling tries. Client CPU falls with bigger parts (each boto3 request costs
+~1.7 ms of it here: 0.70 / 0.56 / 0.46 s per 1.27 GB at 8 / 16 / 32 MiB) and 64 MiB parts
+(one per shard) leave threads idle; the fastest differs from run to run, so all are tried."""
+
+
+def get_ceiling(client: Any, bucket: str, objects: Sequence[tuple[str, int]], dest: Mapping[str, Any],
+                passes: int = 3) -> tuple[float, int]:
+    """The GET ceiling of ``objects``: the best of ``passes`` passes of :func:`ranged_get_into`
+    at each of :data:`CEILING_PARTS`, into ``dest`` (allocated by the caller, before the clock).
+    Conservative (high), like the ``cat`` ceiling. Returns (seconds, part size of the best)."""
+    total = sum(size for _, size in objects)
+    best = (float("inf"), 0)
+    for _ in range(passes):  # interleaved, so that a slow phase of the machine hits every size
+        for part in CEILING_PARTS:
+            jobs = part_jobs(objects, part)
+            t0 = time.perf_counter()
+            got = ranged_get_into(client, bucket, jobs, dest)
+            best = min(best, (time.perf_counter() - t0, part))
+            if got != total:
+                raise OSError(f"read {got} of {total} bytes")
+    return best
 
 
 def part_jobs(objects: Iterable[tuple[str, int]], part: int) -> list[tuple[str, int, int]]:

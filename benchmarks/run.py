@@ -44,7 +44,7 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
                                                      "in-worker batches (copy handoff)") for g in ("cold", "warm")] + [
         (STEADY_ROW, "warm", "loader")] + [
         (f"shardkit {m}, decoded", "decoded", "loader") for m in ("per-sample dicts", "in-worker batches")],
-    "ceilings": [("ceiling: S3 ranged GET x8 threads, same shards (best of 3)", "cold", "ceiling"),
+    "ceilings": [("ceiling: S3 ranged GET x8 threads, same shards (best of 9)", "cold", "ceiling"),
                  ("ceiling: cat of the cached shard files (best of 3)", "warm", "ceiling")],
     "wds_peer": [("webdataset ShardWriter + upload", "pack", "pack"),
                  ("webdataset S3, no cache", "cold", "loader"),

@@ -30,7 +30,7 @@ EXPECTED_ROWS = {
     "shardkit in-worker batches (copy handoff), cold", "shardkit in-worker batches (copy handoff), warm",
     "shardkit in-worker batches, decoded",
     "shardkit in-worker batches (ring handoff), warm, 3rd epoch of one loader (persistent workers)",
-    "ceiling: S3 ranged GET x8 threads, same shards (best of 3)", "ceiling: cat of the cached shard files (best of 3)",
+    "ceiling: S3 ranged GET x8 threads, same shards (best of 9)", "ceiling: cat of the cached shard files (best of 3)",
 }
 
 

@@ -1,6 +1,7 @@
 """Ceilings on the same shard bytes shardkit reads: what the storage and the disk can give.
 
-cold: parallel ranged GETs (boto3, 8 threads) of every shard object into preallocated buffers.
+cold: parallel ranged GETs (boto3, 8 threads) of every shard object into preallocated buffers,
+the best pass over three part sizes (``common.get_ceiling``).
 warm: ``cat`` (the coreutils binary, to /dev/null) of the cached shard files, best of three
 passes; a Python pass of 8 MB ``readinto`` calls into one buffer is recorded with it.
 Rates are shown as samples/s equivalents (the shards hold every sample once).
@@ -17,7 +18,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.common import boto3_client, failed_row, part_jobs, ranged_get_into, row  # noqa: E402
+from benchmarks.common import boto3_client, failed_row, get_ceiling, row  # noqa: E402
 from benchmarks.peers._base import finish, guarded, load_config  # noqa: E402
 
 TOOL = "ceiling"
@@ -30,23 +31,15 @@ def ranged_get(bucket: str, prefix: str, n: int) -> dict[str, Any]:
         Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
     if not objs:
         raise FileNotFoundError(f"no shard objects under s3://{bucket}/{prefix}")
-    total = sum(s for _, s in objs)
     bufs = {k: bytearray(s) for k, s in objs}  # preallocated before the clock starts
-    jobs = [job for key, size in objs for job in part_jobs([(key, size)], -(-size // 8))]  # 8 parts each
-    # The best of three passes: a conservative (high) ceiling, like the cat row's; a first
-    # pass also pays for connections and the server's warm-up.
-    passes = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        got = ranged_get_into(client, bucket, jobs, bufs)
-        passes.append(time.perf_counter() - t0)
-        if got != total:
-            raise OSError(f"read {got} of {total} bytes")
-    return row(GET_ROW, "cold", TOOL, kind="ceiling", samples=n, seconds=min(passes), nbytes=total,
-               pass_seconds=[round(p, 4) for p in passes])
+    # The best pass over three part sizes, three passes each: a conservative (high) ceiling,
+    # like the cat row's; a first pass also pays for connections and the server's warm-up.
+    seconds, part = get_ceiling(client, bucket, objs, bufs)
+    return row(GET_ROW, "cold", TOOL, kind="ceiling", samples=n, seconds=seconds, nbytes=sum(s for _, s in objs),
+               part_bytes=part)
 
 
-GET_ROW = "ceiling: S3 ranged GET x8 threads, same shards (best of 3)"
+GET_ROW = "ceiling: S3 ranged GET x8 threads, same shards (best of 9)"
 CAT_ROW = "ceiling: cat of the cached shard files (best of 3)"
 
 
