@@ -2,10 +2,12 @@
 server) of the GET ceiling, of the same GETs into new files, and of shardkit cold epochs with
 and without landing fills, interleaved over a few rounds in one run.
 
-    .venv/bin/python -m benchmarks.bench_cold [--count 20000] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_cold [--count 20000] [--rounds 3] [--pin-server]
 
 On the 2-core benchmark box the GET ceiling keeps both cores busy, so a cold epoch can only
-come near it by spending no more CPU than the GETs themselves. Writes results/cold.json.
+come near it by spending no more CPU than the GETs themselves. ``--pin-server`` gives SeaweedFS
+one CPU and the loader the other (common.pin_server_apart), as if the store were remote.
+Writes results/cold.json (cold_pinned.json with ``--pin-server``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (CEILING_PARTS, drop_cache, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
-                               ranged_get_into, settle_disk, time_loader, touch_count)
+                               pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -51,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pin-server", action="store_true",
+                    help="SeaweedFS on one CPU, this benchmark on the others (common.pin_server_apart)")
     args = ap.parse_args()
 
     import torch  # noqa: F401 - imported before the clocks (the first loader would import it)
@@ -70,6 +74,8 @@ def main() -> None:
               f"{m['server_cpu_s']:5.2f} s   {m['cores_busy']:.2f} cores busy", flush=True)
 
     with packed_on_weed(folder) as (server, client, url):
+        if args.pin_server:
+            pin_server_apart(server.pid)
         ds = shardkit.open_dataset(url)
         objects = [(f"ds/{i.path}", i.bytes) for i in ds.shard_list]
         total = sum(b for _, b in objects)
@@ -106,11 +112,12 @@ def main() -> None:
             for landing in ((True, False) if r % 2 == 0 else (False, True)):
                 cold(landing, work / f"cache-{r}-{landing}")
     shutil.rmtree(work, ignore_errors=True)
-    dest = Path(__file__).resolve().parent / "results" / "cold.json"
+    dest = Path(__file__).resolve().parent / "results" / ("cold_pinned.json" if args.pin_server else "cold.json")
     dest.parent.mkdir(exist_ok=True)
     dest.write_text(json.dumps({"count": args.count, "shard_bytes": total,
                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                                 "command": "python -m benchmarks.bench_cold " + " ".join(sys.argv[1:]),
+                                "pin_server": args.pin_server,
                                 "load_avg_end": os.getloadavg(), "rows": rows}, indent=1))
 
 

@@ -1,11 +1,13 @@
 """Streaming-read benchmark: shardkit cold/warm (raw and batched) vs ceilings and naive baselines.
 
-    .venv/bin/python -m benchmarks.bench_read [--count 3000]
+    .venv/bin/python -m benchmarks.bench_read [--count 3000] [--pin-server]
 
 One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.sampledata; every reader
 uses 2 workers (or 2 read threads) and batch 256, and its consumer reads every payload byte
-(common.touch_count).
-Writes benchmarks/results/read.json.
+(common.touch_count). ``--pin-server`` gives SeaweedFS one CPU and the rest of the run the
+other (common.pin_server_apart): for the cold rows and GET ceilings, as if the store were remote;
+the warm rows then run on one core.
+Writes benchmarks/results/read.json (read_pinned.json with ``--pin-server``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (boto3_client, drop_cache, get_ceiling, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
-                               ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
+                               pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=3000)
+    ap.add_argument("--pin-server", action="store_true",
+                    help="SeaweedFS on one CPU, this benchmark on the others (common.pin_server_apart)")
     args = ap.parse_args()
     from torch.utils.data import DataLoader, Dataset
 
@@ -49,7 +53,9 @@ def main() -> None:
         out[name] = {"seconds": seconds, "samples": n, "samples_per_s": n / seconds, "MB_per_s": nbytes / seconds / 1e6}
         print(f"{name:40s} {n / seconds:10.0f} samples/s {nbytes / seconds / 1e6:9.0f} MB/s")
 
-    with packed_on_weed(folder) as (_, client, url):
+    with packed_on_weed(folder) as (server, client, url):
+        if args.pin_server:
+            pin_server_apart(server.pid)
         ds = shardkit.open_dataset(url)
         shards = [(i.path, i.bytes) for i in ds.shard_list]
         sbytes = sum(b for _, b in shards)
@@ -193,11 +199,12 @@ def main() -> None:
     }
     for k, v in ratios.items():
         print(f"{k:40s} {v:8.2f}x")
-    dest = Path(__file__).resolve().parent / "results" / "read.json"
+    dest = Path(__file__).resolve().parent / "results" / ("read_pinned.json" if args.pin_server else "read.json")
     dest.parent.mkdir(exist_ok=True)
     dest.write_text(json.dumps({"count": args.count, "image_bytes": total_bytes, "shard_bytes": sbytes,
                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                                 "command": "python -m benchmarks.bench_read " + " ".join(sys.argv[1:]),
+                                "pin_server": args.pin_server,
                                 "load_avg_end": os.getloadavg(), "rows": out, "ratios": ratios}, indent=1))
 
 

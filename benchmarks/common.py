@@ -109,6 +109,24 @@ def settle_disk() -> None:
     os.sync()
 
 
+def pin_server_apart(server_pid: int) -> None:
+    """Give the S3 server the first CPU and this process (and every thread or process it starts
+    from now on) the others, as if the storage ran on a machine of its own.
+
+    On the 2-core benchmark box the server and the loader otherwise share both cores, and the
+    GETs alone keep them busy: every CPU second a loader spends beyond the GETs (verifying,
+    writing the cache, batching, the consumer) is then taken from the server, and a ratio to
+    the GET ceiling measures total CPU rather than whether the loader keeps up with the store.
+    ``--pin-server`` runs measure the second; both are reported (RESULTS.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--pin-server needs 2 CPUs or more, this process has {len(cpus)}")
+    for pid, mask in ((server_pid, set(cpus[:1])), (os.getpid(), set(cpus[1:]))):
+        for tid in os.listdir(f"/proc/{pid}/task"):  # threads made later inherit their maker's mask
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), mask)
+
+
 def drop_cache(cache: Path) -> None:
     """Delete a row's node cache, and let go of this process's kept maps (zero-copy) of its
     files: a kept map holds its deleted file until the next shard open prunes it, which would
