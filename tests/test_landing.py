@@ -318,6 +318,31 @@ def test_failed_landing_fill_unpins_and_the_next_open_starts_over(tmp_path: Path
     assert [c[1] for c in fetch.calls()] == [0, 0]
 
 
+def test_landing_fill_whose_write_fails_raises_unpins_and_starts_over(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cache disk fills up halfway through a landing fill: the error reaches the reader,
+    # nothing is published, the buffer is free again, and the next open fetches it whole.
+    s, fetch = part_store(tmp_path, [4 * MB + 3])
+    ref = s.refs[0]
+    real = os.pwrite
+
+    def pwrite(fd: int, chunk: Any, offset: int) -> int:
+        if offset >= MB:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, chunk, offset)
+
+    with s.cache(100 * MB) as cache:
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        with pytest.raises(OSError) as err:
+            cache.open(ref, fetch, landing=True)
+        monkeypatch.undo()
+        assert err.value.errno == errno.ENOSPC
+        assert [p.stat().st_size for p in s.temps()] == [0] and set(pins()) <= {0}
+        assert not s.final(ref).exists() and cache.stats()["landed"] == 0
+        with cache.open(ref, fetch, landing=True) as shard:
+            assert shard.hot is not None and Path(shard.path).read_bytes() == fetch.data(ref.name)
+
+
 def test_corrupt_landing_fill_raises_after_one_retry_and_unpins(tmp_path: Path) -> None:
     s, fetch = part_store(tmp_path, [MB + 7], corrupt=True)
     with s.cache(100 * MB) as cache:
