@@ -1,6 +1,8 @@
 """Where a cold epoch's time goes: wall seconds and CPU seconds (this process and the S3
-server) of the GET ceiling, of the same GETs into new files, and of shardkit cold epochs with
-and without landing fills, interleaved over a few rounds in one run.
+server) of the GET ceiling, of the same GETs plus the least a verified caching batch loader
+adds (hash, cache write, batch copy, the consumer's read: a floor for any such loader), of the
+same GETs into new files, and of shardkit cold epochs with and without landing fills,
+interleaved over a few rounds in one run.
 
     .venv/bin/python -m benchmarks.bench_cold [--count 20000] [--rounds 3] [--pin-server]
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -24,8 +27,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (CEILING_PARTS, drop_cache, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
-                               pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count)
+from benchmarks.common import (CEILING_PARTS, drop_cache, get_and_finish, new_file_maps, packed_on_weed,  # noqa: E402
+                               part_jobs, pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -101,6 +104,18 @@ def main() -> None:
                 rec(f"GET x8 into memory, {part >> 20} MiB parts", measured(
                     lambda: ranged_get_into(client, "bench", jobs, bufs), server.pid))
             bufs.clear()
+            # The floor: the same GETs plus what any verified caching batch loader must add
+            # (common.get_and_finish), into page-aligned buffers touched before the clock.
+            aligned = {k: mmap.mmap(-1, -(-b // 4096) * 4096) for k, b in objects}
+            for m in aligned.values():
+                m.write(bytes(len(m)))
+            settle_disk()
+            rec("GET x8 + xxh3 + O_DIRECT write + batch copy + consumer read, 16 MiB parts",
+                measured(lambda: get_and_finish(client, "bench", objects, aligned, work / f"floor-{r}", 16 << 20),
+                         server.pid))
+            for m in aligned.values():
+                m.close()
+            shutil.rmtree(work / f"floor-{r}")
             into = work / f"files-{r}"
             maps = new_file_maps(into, objects)
             settle_disk()

@@ -139,30 +139,88 @@ def drop_cache(cache: Path) -> None:
     KEPT.clear()
 
 
+def get_range_into(client: Any, bucket: str, job: tuple[str, int, int], dest: Mapping[str, Any]) -> int:
+    """GET the ``(key, lo, hi)`` byte range of ``bucket`` into ``dest[key][lo:hi]``; a range the
+    server ends early raises OSError. The leanest read boto3 allows: ``readinto`` of
+    http.client's response, socket -> ``dest`` (urllib3's ``readinto`` reads into new bytes,
+    then copies them: ~0.1 s more client CPU per 1.27 GB here), the read shardkit's own boto3
+    transport makes."""
+    key, lo, hi = job
+    raw = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]._raw_stream
+    readinto = getattr(getattr(raw, "_fp", None), "readinto", raw.readinto)
+    view = memoryview(dest[key])[lo:hi]
+    while view.nbytes:
+        got = readinto(view)
+        if not got:
+            raise OSError(f"s3://{bucket}/{key}: the server ended the range {lo}-{hi} early")
+        view = view[got:]
+    raw.release_conn()
+    return hi - lo
+
+
 def ranged_get_into(client: Any, bucket: str, jobs: Sequence[tuple[str, int, int]], dest: Mapping[str, Any],
                     threads: int = 8) -> int:
-    """GET each ``(key, lo, hi)`` byte range of ``bucket`` into ``dest[key][lo:hi]``, ``threads``
-    at a time. Returns the bytes moved; a range the server ends early raises OSError. The GET
-    ceilings of the benchmarks, so the leanest read boto3 allows: ``readinto`` of http.client's
-    response, socket -> ``dest`` (urllib3's ``readinto`` reads into new bytes, then copies them:
-    ~0.1 s more client CPU per 1.27 GB here), the read shardkit's own boto3 transport makes."""
+    """:func:`get_range_into` for every job, ``threads`` at a time; returns the bytes moved.
+    The GET ceilings of the benchmarks."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(job: tuple[str, int, int]) -> int:
-        key, lo, hi = job
-        raw = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]._raw_stream
-        readinto = getattr(getattr(raw, "_fp", None), "readinto", raw.readinto)
-        view = memoryview(dest[key])[lo:hi]
-        while view.nbytes:
-            got = readinto(view)
-            if not got:
-                raise OSError(f"s3://{bucket}/{key}: the server ended the range {lo}-{hi} early")
-            view = view[got:]
-        raw.release_conn()
-        return hi - lo
-
     with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(one, jobs))
+        return sum(pool.map(lambda job: get_range_into(client, bucket, job, dest), jobs))
+
+
+def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]], dest: Mapping[str, Any],
+                   into: Path, part: int, batch_bytes: int = 16 << 20) -> None:
+    """The GETs of :func:`ranged_get_into` plus the least any verified, caching batch loader adds
+    to each object once all of it has landed (2 threads, as shardkit's 2 read threads): xxh3
+    over it, its ``O_DIRECT`` write to a new file in ``into``, a copy into a reused batch-sized
+    buffer, and the consumer's read of every cache line of the copy (:func:`touch_count`'s).
+
+    ``dest`` must hold page-aligned buffers (``mmap``) with room for the last block. A floor
+    for a cold epoch, not a ceiling: nothing here parses a tar or makes a batch."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import xxhash
+
+    into.mkdir(parents=True, exist_ok=True)
+    left = {key: -(-size // part) for key, size in objects}
+    sizes = dict(objects)
+    mu = threading.Lock()
+    batches = threading.local()
+
+    def finish(key: str) -> None:
+        size, buf = sizes[key], dest[key]
+        xxhash.xxh3_128_hexdigest(memoryview(buf)[:size])
+        fd = os.open(into / key.replace("/", "_"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
+        try:
+            for lo in range(0, size, part):
+                os.pwrite(fd, memoryview(buf)[lo:min(-(-size // 4096) * 4096, lo + part)], lo)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        if not hasattr(batches, "out"):
+            batches.out = np.empty(batch_bytes, np.uint8)
+        src = np.frombuffer(buf, np.uint8, size)
+        for lo in range(0, size, batch_bytes):
+            chunk = batches.out[:min(batch_bytes, size - lo)]
+            np.copyto(chunk, src[lo:lo + chunk.nbytes])
+            _touched[1] += int(chunk[::TOUCH_STRIDE].sum())
+
+    with ThreadPoolExecutor(2) as finishers:
+        done: list[Any] = []
+
+        def landed(job: tuple[str, int, int]) -> None:
+            get_range_into(client, bucket, job, dest)
+            with mu:
+                left[job[0]] -= 1
+                if left[job[0]] == 0:
+                    done.append(finishers.submit(finish, job[0]))
+
+        with ThreadPoolExecutor(8) as getters:
+            list(getters.map(landed, part_jobs(objects, part)))
+        for fut in done:
+            fut.result()
 
 
 CEILING_PARTS = (8 << 20, 16 << 20, 32 << 20)
