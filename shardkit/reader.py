@@ -13,6 +13,7 @@ import logging
 import os
 import stat
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -46,6 +47,10 @@ class ShardInfo:
 
 _MEMOS: dict[str, dict[str, dict[Any, Any]]] = {}  # Dataset.identity -> name -> memo
 _MEMO_DATASETS = 8
+# Sample-manifest fragments one Dataset keeps open, by their bytes (least recently used go
+# first). A 20M-sample manifest is ~1 GB of fragments, and a reader whose shards are spread
+# over all of them would otherwise end up holding all of them, in every DataLoader worker.
+FRAGMENT_BYTES = 64 * 2**20
 
 
 class ShardRows:
@@ -107,7 +112,7 @@ class Dataset:
             raise ManifestError(f"{self.url}: dataset.json says {self.info['num_shards']} shards, shards.parquet has {self.shards.num_rows}")
         self._shard_list: list[ShardInfo] | None = None
         self._first_samples: np.ndarray | None = None
-        self._fragments: dict[str, pq.ParquetFile] = {}
+        self._fragments: OrderedDict[str, tuple[pq.ParquetFile, int]] = OrderedDict()
         self._samples: pa.Table | None = None
         # A local directory keeping copies of the sample-manifest fragments (set by readers
         # with a node cache): a warm epoch's fresh workers then read no manifest from storage.
@@ -126,7 +131,7 @@ class Dataset:
         self.shards = state["shards"]
         self._shard_list = None
         self._first_samples = None
-        self._fragments = {}
+        self._fragments = OrderedDict()
         self._samples = None
         self.manifest_cache = state.get("manifest_cache")
 
@@ -187,26 +192,35 @@ class Dataset:
         return self.shards.column("num_samples").to_numpy()
 
     def _fragment(self, name: str) -> pq.ParquetFile:
-        pf = self._fragments.get(name)
-        if pf is None:
-            pf = self._local_fragment(name) if self.manifest_cache else None
-            if pf is None:
-                data = self.store.read_bytes(name)
-                pf = parquet_file(data)
-                if self.manifest_cache:
-                    self._keep_fragment(name, data)
-            self._fragments[name] = pf
-        return pf
+        """The fragment ``name``, open; at most :data:`FRAGMENT_BYTES` of them stay open (the
+        most recently used one always does). A node's local copy is opened as a memory map:
+        its pages are the page cache's, shared by every process on the node, and only the row
+        groups read are touched."""
+        held = self._fragments.pop(name, None)
+        if held is None:
+            held = self._local_fragment(name) if self.manifest_cache else None
+        if held is None:
+            data = self.store.read_bytes(name)
+            held = (parquet_file(data), len(data))
+            if self.manifest_cache:
+                self._keep_fragment(name, data)
+        self._fragments[name] = held  # most recently used last
+        total = sum(n for _, n in self._fragments.values())
+        while total > FRAGMENT_BYTES and len(self._fragments) > 1:
+            _, (_, n) = self._fragments.popitem(last=False)
+            total -= n
+        return held[0]
 
     def _local_path(self, name: str) -> str:
         assert self.manifest_cache is not None
         return os.path.join(self.manifest_cache, file_name(name))  # flat, never hidden or ".."
 
-    def _local_fragment(self, name: str) -> pq.ParquetFile | None:
+    def _local_fragment(self, name: str) -> tuple[pq.ParquetFile, int] | None:
+        """The node's copy of fragment ``name`` and its size, or None (none, or damaged)."""
         path = self._local_path(name)
         try:
-            with open(path, "rb") as f:
-                return parquet_file(f.read())
+            src = pa.memory_map(path)
+            return pq.ParquetFile(src), src.size()  # read with use_threads=False, as parquet_file says
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - a damaged copy is dropped and fetched again
