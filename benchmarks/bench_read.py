@@ -4,7 +4,8 @@
 
 One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.sampledata; every reader
 uses 2 workers (or 2 read threads) and batch 256, and its consumer reads every payload byte
-(common.touch_count). ``--pin-server`` gives SeaweedFS one CPU and the rest of the run the
+(common.touch_count). Beside the GET ceiling, a floor: the same GETs plus the least a verified
+caching batch loader adds (common.get_and_finish). ``--pin-server`` gives SeaweedFS one CPU and the rest of the run the
 other (common.pin_server_apart): for the cold rows and GET ceilings, as if the store were remote;
 the warm rows then run on one core.
 Writes benchmarks/results/read.json (read_pinned.json with ``--pin-server``).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -25,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (boto3_client, drop_cache, get_ceiling, new_file_maps, packed_on_weed, part_jobs,  # noqa: E402
-                               pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
+from benchmarks.common import (boto3_client, drop_cache, get_and_finish, get_ceiling, new_file_maps,  # noqa: E402
+                               packed_on_weed, part_jobs, pin_server_apart, ranged_get_into, settle_disk,
+                               time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
@@ -69,6 +72,22 @@ def main() -> None:
         out["ceiling: S3 ranged GET x8"]["part_bytes"] = part
         jobs = part_jobs(objects, part)
         bufs.clear()  # its memory back before the loader rows
+
+        # Floor: the same GETs plus the least a verified caching batch loader adds to each shard
+        # (common.get_and_finish: xxh3, O_DIRECT write, batch copy, the consumer's read), best of 3.
+        aligned = {k: mmap.mmap(-1, -(-b // 4096) * 4096) for k, b in objects}
+        for m in aligned.values():
+            m.write(bytes(len(m)))  # touched before the clock, as the ceiling's buffers
+        best = float("inf")
+        for k in range(3):
+            settle_disk()
+            t0 = time.perf_counter()
+            get_and_finish(client, "bench", objects, aligned, work / f"floor-{k}", 16 << 20)
+            best = min(best, time.perf_counter() - t0)
+            shutil.rmtree(work / f"floor-{k}")
+        rec("floor: GETs + xxh3 + O_DIRECT write + batch copy + read", best, ds.num_samples, sbytes)
+        for m in aligned.values():
+            m.close()
 
         # Ceiling 1b: the same GETs into new files on the cache's disk, through maps (as the
         # cache fills them): what a cache fill could reach. Each pass's files are deleted after
@@ -171,6 +190,7 @@ def main() -> None:
         rec("baseline: cv2.imread per file", sec, n, total_bytes)
     shutil.rmtree(work, ignore_errors=True)
     r = {k: v["MB_per_s"] for k, v in out.items()}
+    floor = "floor: GETs + xxh3 + O_DIRECT write + batch copy + read"
     ratios = {
         "cold zero-copy / GET ceiling": r["shardkit cold batched (zero-copy views)"] / r["ceiling: S3 ranged GET x8"],
         "cold zero-copy / GET into new files": (r["shardkit cold batched (zero-copy views)"]
@@ -182,6 +202,8 @@ def main() -> None:
                                              / r["ceiling: S3 ranged GET x8"]),
         "cold again zero-copy / GET ceiling": (r["shardkit cold again batched (zero-copy views)"]
                                                / r["ceiling: S3 ranged GET x8"]),
+        "cold threads / floor": r["shardkit cold batched (2 read threads)"] / r[floor],
+        "cold again threads / floor": r["shardkit cold again batched (2 read threads)"] / r[floor],
         "cold again ring / GET ceiling": r["shardkit cold again batched (ring handoff)"] / r["ceiling: S3 ranged GET x8"],
         "cold ring / GET ceiling": r["shardkit cold batched (ring handoff)"] / r["ceiling: S3 ranged GET x8"],
         "cold copy / GET ceiling": r["shardkit cold batched (copy)"] / r["ceiling: S3 ranged GET x8"],
