@@ -237,8 +237,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         Such a process also downloads its prefetched shards at once (``ShardSource.at_once``):
         one at a time left the GETs idle while each shard's last part, hash and rename
         finished. Measured (RESULTS.md; 1.27 GB cold epochs, 2 read threads, landing fills, 2
-        cores shared with SeaweedFS): 0.71-0.74x the 8-way GET ceiling with 2 shards at a time,
-        0.80-0.89x with 4. DataLoader workers keep one download each: two workers already
+        cores shared with SeaweedFS, rounds interleaved): 1.41-1.57 s with 2 shards at a time,
+        1.18-1.36 s with 4. DataLoader workers keep one download each: two workers already
         download two shards at once, and a second thread each measured 3-10% slower."""
         if self.prefetch is not None:
             return self.prefetch

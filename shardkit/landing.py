@@ -12,9 +12,11 @@ shards, alone in its process (``num_workers=0``), goes instead:
 3. the buffer stays attached to the published file (*hot*), so this process's first reads of
    the shard copy from memory instead of reading the file back from disk.
 
-Measured (``benchmarks/bench_cold.py``, 1.27 GB cold epochs, 2 read threads): 0.84-0.85x the
-8-way GET ceiling of the same round, against 0.69-0.71x through maps; the process's first
-landing epoch 0.75x (it touches its buffers for the first time).
+Measured (``benchmarks/bench_cold.py``, 1.27 GB cold epochs, 2 read threads, rounds
+interleaved): 1.22-1.36 s against 1.48-1.53 s through maps, 0.74-0.76x the GET ceiling with
+SeaweedFS on the same 2 cores and 0.81-0.98x with it on a core of its own; 0.86-1.04x of a
+floor that only GETs, hashes, writes and copies the same bytes (``benchmarks/RESULTS.md``).
+The process's first landing epoch also touches its buffers for the first time.
 
 The file still holds every byte, verified: other processes, later epochs and a restart read
 it as before. Not in the page cache after the fill is the point for a dataset larger than

@@ -34,9 +34,9 @@ Run = tuple[int, np.ndarray]
 # Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
 # FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
 # file (one copy, socket -> page cache). Measured on the 2-core benchmark box (SeaweedFS on
-# loopback, 20 x 64 MB shards, 2 workers): 0.84-0.91x the 8-way ranged-GET ceiling, against
-# 0.59-0.63x for one botocore stream written through a file (iter_chunks allocates every chunk,
-# then copies it again); 2 and 1 parts at a time tied here, 4 was up to 10% slower. Real S3
+# loopback, 20 x 64 MB shards, 2 workers): ~1.4x the rate of one botocore stream written
+# through a file (iter_chunks allocates every chunk, then copies it again); 2 and 1 parts at a
+# time tied here, 4 was up to 10% slower (and within the noise with landing fills). Real S3
 # caps one connection well below the link (~100 MB/s), so 2 is the default; raise it there.
 FETCH_PART_SIZE = 16 * 2**20
 FETCH_CONCURRENCY = 2
