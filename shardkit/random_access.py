@@ -37,7 +37,7 @@ from .config import parse_size
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
 from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
-from .reader import Dataset, ShardInfo, ShardRows, sample_dict
+from .reader import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
 from .shardio import cache_namespace, shard_ref
 
 try:  # torch is optional: without it ShardDataset is a plain sequence-like object
@@ -175,6 +175,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None:  # as StreamingDataset: manifests bounded in memory, copies local
+            self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.decode = decode
         self.part_size = parse_size(part_size, "part_size")

@@ -47,9 +47,10 @@ class ShardInfo:
 
 _MEMOS: dict[str, dict[str, dict[Any, Any]]] = {}  # Dataset.identity -> name -> memo
 _MEMO_DATASETS = 8
-# Sample-manifest fragments one Dataset keeps open, by their bytes (least recently used go
-# first). A 20M-sample manifest is ~1 GB of fragments, and a reader whose shards are spread
-# over all of them would otherwise end up holding all of them, in every DataLoader worker.
+# Sample-manifest fragments one Dataset with local copies keeps open, by their bytes (least
+# recently used go first). A 20M-sample manifest is ~1 GB of fragments, and a reader whose
+# shards are spread over all of them would otherwise end up holding all of them, in every
+# DataLoader worker.
 FRAGMENT_BYTES = 64 * 2**20
 
 
@@ -192,10 +193,12 @@ class Dataset:
         return self.shards.column("num_samples").to_numpy()
 
     def _fragment(self, name: str) -> pq.ParquetFile:
-        """The fragment ``name``, open; at most :data:`FRAGMENT_BYTES` of them stay open (the
-        most recently used one always does). A node's local copy is opened as a memory map:
-        its pages are the page cache's, shared by every process on the node, and only the row
-        groups read are touched."""
+        """The fragment ``name``, open. With local copies (``manifest_cache``) at most
+        :data:`FRAGMENT_BYTES` of them stay open (the most recently used one always does), as
+        reopening one is a local read; a copy is opened as a memory map, its pages the page
+        cache's, shared by every process on the node, and only the row groups read are
+        touched. Without copies every fragment read stays in memory: reopening would fetch it
+        from storage again, once per shard in a shuffled epoch."""
         held = self._fragments.pop(name, None)
         if held is None:
             held = self._local_fragment(name) if self.manifest_cache else None
@@ -206,7 +209,7 @@ class Dataset:
                 self._keep_fragment(name, data)
         self._fragments[name] = held  # most recently used last
         total = sum(n for _, n in self._fragments.values())
-        while total > FRAGMENT_BYTES and len(self._fragments) > 1:
+        while self.manifest_cache and total > FRAGMENT_BYTES and len(self._fragments) > 1:
             _, (_, n) = self._fragments.popitem(last=False)
             total -= n
         return held[0]

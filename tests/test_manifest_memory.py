@@ -1,6 +1,7 @@
-"""A reader holds a bounded part of the sample manifest: fragments beyond
-``shardkit.reader.FRAGMENT_BYTES`` are closed least recently used first, and reopened (from the
-node's local copy, as a memory map, or from storage) when needed again."""
+"""A reader with local manifest copies (every reader with a node cache) holds a bounded part of
+the sample manifest: fragments beyond ``shardkit.reader.FRAGMENT_BYTES`` are closed least
+recently used first, and reopened from the node's local copy (a memory map) when needed again.
+Without copies nothing is closed: reopening would fetch from storage."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def all_rows(ds: shardkit.Dataset) -> list[pa.Table]:
     return [ds.shard_samples(s) for s in range(ds.num_shards)]
 
 
-def test_open_fragments_stay_within_their_byte_budget(many_fragments: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_fragments_stay_within_their_byte_budget(many_fragments: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     want = all_rows(shardkit.open_dataset(many_fragments))  # everything open: the default budget
     files = {i.samples_file for i in shardkit.open_dataset(many_fragments).shard_list}
     assert len(files) >= 5
@@ -36,6 +38,10 @@ def test_open_fragments_stay_within_their_byte_budget(many_fragments: str, monke
     budget = sizes[0] + sizes[1]
     monkeypatch.setattr(reader, "FRAGMENT_BYTES", budget)
     ds = shardkit.open_dataset(many_fragments)
+    assert [r.equals(e) for r, e in zip(all_rows(ds), want)] == [True] * len(want)
+    assert len(ds._fragments) == len(files)  # no copies: every fragment read stays open
+    ds = shardkit.open_dataset(many_fragments)
+    ds.manifest_cache = str(tmp_path / "copies")
     for rows, expected in zip(all_rows(ds), want):
         assert rows.equals(expected)
         held = [n for _, n in ds._fragments.values()]
@@ -60,3 +66,18 @@ def test_closed_fragments_reopen_from_the_local_copy(many_fragments: str, tmp_pa
     assert read == []  # every fragment reopened from its copy, none fetched again
     (_, size), = ds._fragments.values()
     assert size == Path(ds._local_path(next(iter(ds._fragments)))).stat().st_size
+
+
+def test_random_access_with_a_node_cache_keeps_manifest_copies(many_fragments: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit.reader import manifest_copies_dir
+
+    monkeypatch.setattr(reader, "FRAGMENT_BYTES", 0)
+    sd = shardkit.ShardDataset(many_fragments, cache_dir=tmp_path / "cache")
+    assert sd.ds.manifest_cache is not None and sd.ds.manifest_cache == manifest_copies_dir(
+        Path(sd.ds.manifest_cache).name)
+    want = {i: bytes([i]) * (1000 + 37 * i) for i in range(60)}
+    got = {int(s["__key__"][1:]): bytes(s["bin"]) for s in (sd[k] for k in range(len(sd)))}
+    assert got == want
+    assert len(sd.ds._fragments) == 1  # the rest were closed, their copies kept
+    assert len(list(Path(sd.ds.manifest_cache).glob("*.parquet"))) >= 5
