@@ -7,8 +7,10 @@ Submit it to a cluster::
 
 It takes exactly the arguments of ``shardkit pack`` (see ``shardkit pack --help``); only the
 engine defaults to ``ray``. The driver joins the job's cluster through ``RAY_ADDRESS``, which
-``ray job submit`` sets. S3 settings come from the usual ``AWS_*`` variables (pass them with
-``--runtime-env-json '{"env_vars": {...}}'`` or configure them on the cluster's nodes).
+``ray job submit`` sets. S3 settings come from the usual ``AWS_*`` variables. The tasks write
+to the endpoint and region the driver resolved (they travel with each task); the keys never
+do: pass them with ``--runtime-env-json '{"env_vars": {...}}'`` or configure them on the
+cluster's nodes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Local Ray is the default (``address="local"``: never a bare ``ray.init()`` that could attach
 to a stale cluster); a cluster by address, or the one ``ray job submit`` put us in
-(``RAY_ADDRESS``). Tasks get the Store and Source (URLs and options only) and their slice of
+(``RAY_ADDRESS``). Tasks get the Store and Source (URLs and options only; the Store with the
+S3 endpoint and region the driver resolved, never its keys) and their slice of
 items; they write to storage themselves and return small results, so the driver holds no
 data. In-flight tasks are bounded to keep the object store and memory small.
 """
@@ -18,7 +19,7 @@ from .packer import PackOptions, TaskResult, completed_task, run_task
 from .plan import PackPlan
 from .progress import Progress
 from .sources.base import Source
-from .storage import Store
+from .storage import Store, with_env_location
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: s
 def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
                      address: str | None) -> list[TaskResult]:
     ray = ensure_ray(address)
+    # The tasks write where this driver plans and commits, whatever endpoint their nodes'
+    # environments name (a worker without AWS_ENDPOINT_URL would otherwise go to AWS itself).
+    store = Store(store.url, with_env_location(store.url, store.storage_options))
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
     max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     results: dict[int, TaskResult] = {}

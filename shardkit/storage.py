@@ -64,6 +64,19 @@ def s3_options(explicit: dict[str, Any] | None) -> dict[str, Any]:
     return opts
 
 
+def with_env_location(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus the S3 endpoint and region this process's environment gives (explicit
+    options still win): what a process elsewhere, a Ray worker with another environment, must
+    use to reach the same store. Never the keys: those come from its own environment, or from
+    ``options`` as given."""
+    if not url.startswith(("s3://", "s3a://")) or "endpoint_url" in options:
+        return dict(options)
+    here = s3_options(None).get("client_kwargs") or {}
+    if not here:
+        return dict(options)
+    return {**options, "client_kwargs": {**here, **(options.get("client_kwargs") or {})}}
+
+
 def endpoint_of(url: str, options: dict[str, Any]) -> str:
     """A printable description of where ``url`` lives (endpoint, never keys)."""
     if url.startswith("s3://"):

@@ -127,11 +127,13 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 
 
 @pytest.fixture(scope="session")
-def ray_local() -> Iterator[Any]:
+def ray_local(s3_server: S3Server) -> Iterator[Any]:
     """An embedded local Ray (2 CPUs, loopback only, no dashboard) for the session.
 
     Started on first use only. Yields the ``ray`` module. Workers see the repository on
-    PYTHONPATH so tasks can import ``shardkit`` even without an installed package.
+    PYTHONPATH so tasks can import ``shardkit`` even without an installed package, and the
+    session S3 server's keys and region, not its endpoint: credentials configured on the
+    cluster's nodes, as ray_jobs/pack.py documents; the endpoint is each job's to give.
     """
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
@@ -146,13 +148,19 @@ def ray_local() -> Iterator[Any]:
     before = _child_pids()
     ray_pids: set[int] = set()
     try:
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            _temp_dir=temp_dir,
-        )
+        with pytest.MonkeyPatch.context() as node_env:  # for Ray's daemons and workers only
+            for name, value in s3_server.env().items():
+                if name != "AWS_ENDPOINT_URL":
+                    node_env.setenv(name, value)
+            node_env.delenv("AWS_ENDPOINT_URL", raising=False)
+            node_env.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                _temp_dir=temp_dir,
+            )
         # Ray's own daemons (gcs_server, raylet, ...) are children of this process.
         ray_pids = {pid for pid, _ in _child_pids() - before}
         _SESSION_PIDS.update(ray_pids)

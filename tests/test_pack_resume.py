@@ -50,14 +50,19 @@ def _wait_for_shards(fs: Any, prefix: str, count: int, proc: subprocess.Popen[by
 
 
 @pytest.mark.slow
-def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket):
-    """SIGKILL the CLI mid-pack, rerun: every sample once, shards identical, tasks reused."""
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket, engine, request):
+    """SIGKILL the CLI mid-pack, rerun: every sample once, shards identical, tasks reused. With
+    Ray the driver is attached to a running cluster, as under ``ray job submit``: its tasks
+    die with it, and the rerun is another job on the same cluster."""
     src = image_folder(tmp_path / "imgs", count=240, side=64)
     total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
     shard = str(total // 100)  # ~100 shards in ~64 tasks
-    dest = f"{s3_bucket}/ds"
+    dest = f"{s3_bucket}/ds-{engine}"
     env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--engine", "local", "--labels-from-dirs",
+    if engine == "ray":
+        env["RAY_ADDRESS"] = request.getfixturevalue("ray_local").get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--engine", engine, "--labels-from-dirs",
            "--shard-size", shard, "--quiet"]
     fs = s3_server.filesystem()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -81,10 +86,10 @@ def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket):
     keys = _keys(dest, opts)
     assert len(keys) == len(set(keys)) and sorted(keys) == _source_keys(src)
 
-    clean = shardkit.pack(str(src), f"{s3_bucket}/clean", shard_bytes=int(shard), labels_from_dirs=True,
+    clean = shardkit.pack(str(src), f"{s3_bucket}/clean-{engine}", shard_bytes=int(shard), labels_from_dirs=True,
                           storage_options=opts, progress=False)
     assert clean["reused_tasks"] == 0
-    a, _ = compare_datasets(dest, f"{s3_bucket}/clean", opts)
+    a, _ = compare_datasets(dest, f"{s3_bucket}/clean-{engine}", opts)
     a.verify(deep=True)
 
 

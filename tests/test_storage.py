@@ -228,3 +228,25 @@ def test_store_used_in_parent_then_forked_child(s3_server: S3Server, s3_bucket: 
     assert child.exitcode == 0
     assert store.fs is parent_fs and store.read_bytes("obj.bin") == payload  # the parent is untouched
 
+
+
+def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit.storage import with_env_location
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDNEVERSHIPPED")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secretneverShipped")
+    got = with_env_location("s3://b/ds", {"anon": False})
+    assert got == {"anon": False, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-3"}}
+    assert "NEVERSHIPPED" not in repr(got) and "neverShipped" not in repr(got)
+    explicit = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:7"}}
+    assert with_env_location("s3://b/ds", explicit)["client_kwargs"] == {"endpoint_url": "http://127.0.0.1:7",
+                                                                         "region_name": "eu-west-3"}
+    assert with_env_location("s3://b/ds", {"endpoint_url": "http://127.0.0.1:8"}) == {"endpoint_url": "http://127.0.0.1:8"}
+    assert with_env_location("/local/ds", {}) == {}
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    assert with_env_location("s3://b/ds", {"anon": False}) == {"anon": False}
