@@ -10,6 +10,7 @@ data. In-flight tasks are bounded to keep the object store and memory small.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -47,6 +48,18 @@ def ensure_ray(address: str | None) -> Any:
     return ray
 
 
+def for_tasks(src: Source) -> Source:
+    """``src`` as tasks on other nodes must see it: WebDataset tars on S3 read from the endpoint
+    and region this driver resolved (:func:`~shardkit.storage.with_env_location`)."""
+    from .sources.wds import WdsTarSource
+
+    if isinstance(src, WdsTarSource) and any(u.startswith(("s3://", "s3a://")) for u in src.urls):
+        pinned = copy.copy(src)
+        pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None
+        return pinned
+    return src
+
+
 def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: str, opts: PackOptions) -> TaskResult:
     # Skip work a killed earlier attempt (or a retry of this task) already finished.
     done = completed_task(store, task, plan_id)
@@ -59,6 +72,7 @@ def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOption
     # The tasks write where this driver plans and commits, whatever endpoint their nodes'
     # environments name (a worker without AWS_ENDPOINT_URL would otherwise go to AWS itself).
     store = Store(store.url, with_env_location(store.url, store.storage_options))
+    src = for_tasks(src)
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
     max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     results: dict[int, TaskResult] = {}

@@ -250,3 +250,22 @@ def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pyte
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     assert with_env_location("s3://b/ds", {"anon": False}) == {"anon": False}
+
+
+def test_ray_tasks_read_s3_tars_where_the_driver_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from shardkit.ray_engine import for_tasks
+    from shardkit.sources import FolderSource
+    from shardkit.sources.wds import WdsTarSource
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    src = WdsTarSource("s3://b/tars/*.tar", storage_options={"key": "k", "secret": "s"})
+    pinned = for_tasks(src)
+    assert pinned is not src and pinned.urls == src.urls
+    assert pinned.storage_options is not None and pinned.storage_options["key"] == "k"
+    assert pinned.storage_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9"
+    assert src.storage_options == {"key": "k", "secret": "s"}  # the driver's own is untouched
+    local = WdsTarSource(str(tmp_path))
+    assert for_tasks(local) is local
+    folder = FolderSource(tmp_path)
+    assert for_tasks(folder) is folder
