@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import sys
@@ -27,8 +26,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (CEILING_PARTS, drop_cache, get_and_finish, new_file_maps, packed_on_weed,  # noqa: E402
-                               part_jobs, pin_server_apart, ranged_get_into, settle_disk, time_loader, touch_count)
+from benchmarks.common import (CEILING_PARTS, drop_cache, floor_buffers, get_and_finish, new_file_maps,  # noqa: E402
+                               packed_on_weed, part_jobs, pin_server_apart, ranged_get_into, settle_disk,
+                               time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -106,15 +106,12 @@ def main() -> None:
             bufs.clear()
             # The floor: the same GETs plus what any verified caching batch loader must add
             # (common.get_and_finish), into page-aligned buffers touched before the clock.
-            aligned = {k: mmap.mmap(-1, -(-b // 4096) * 4096) for k, b in objects}
-            for m in aligned.values():
-                m.write(bytes(len(m)))
+            aligned = floor_buffers(objects)
             settle_disk()
             rec("GET x8 + xxh3 + O_DIRECT write + batch copy + consumer read, 16 MiB parts",
                 measured(lambda: get_and_finish(client, "bench", objects, aligned, work / f"floor-{r}", 16 << 20),
                          server.pid))
-            for m in aligned.values():
-                m.close()
+            aligned.clear()
             shutil.rmtree(work / f"floor-{r}")
             into = work / f"files-{r}"
             maps = new_file_maps(into, objects)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import subprocess
@@ -27,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (boto3_client, drop_cache, get_and_finish, get_ceiling, new_file_maps,  # noqa: E402
-                               packed_on_weed, part_jobs, pin_server_apart, ranged_get_into, settle_disk,
-                               time_loader, touch_count, touched_bytes)
+from benchmarks.common import (boto3_client, drop_cache, floor_buffers, get_and_finish, get_ceiling,  # noqa: E402
+                               new_file_maps, packed_on_weed, part_jobs, pin_server_apart, ranged_get_into,
+                               settle_disk, time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
@@ -75,9 +74,7 @@ def main() -> None:
 
         # Floor: the same GETs plus the least a verified caching batch loader adds to each shard
         # (common.get_and_finish: xxh3, O_DIRECT write, batch copy, the consumer's read), best of 3.
-        aligned = {k: mmap.mmap(-1, -(-b // 4096) * 4096) for k, b in objects}
-        for m in aligned.values():
-            m.write(bytes(len(m)))  # touched before the clock, as the ceiling's buffers
+        aligned = floor_buffers(objects)
         best = float("inf")
         for k in range(3):
             settle_disk()
@@ -86,8 +83,7 @@ def main() -> None:
             best = min(best, time.perf_counter() - t0)
             shutil.rmtree(work / f"floor-{k}")
         rec("floor: GETs + xxh3 + O_DIRECT write + batch copy + read", best, ds.num_samples, sbytes)
-        for m in aligned.values():
-            m.close()
+        aligned.clear()
 
         # Ceiling 1b: the same GETs into new files on the cache's disk, through maps (as the
         # cache fills them): what a cache fill could reach. Each pass's files are deleted after

@@ -172,36 +172,40 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
                    into: Path, part: int, batch_bytes: int = 16 << 20) -> None:
     """The GETs of :func:`ranged_get_into` plus the least any verified, caching batch loader adds
     to each object once all of it has landed (2 threads, as shardkit's 2 read threads): xxh3
-    over it, its ``O_DIRECT`` write to a new file in ``into``, a copy into a reused batch-sized
-    buffer, and the consumer's read of every cache line of the copy (:func:`touch_count`'s).
+    over it, its write to a new file in ``into`` with shardkit's ``O_DIRECT`` writer, a copy into
+    a reused batch-sized buffer, and the consumer's read of every cache line of the copy
+    (:func:`touch_count`'s).
 
-    ``dest`` must hold page-aligned buffers (``mmap``) with room for the last block. A floor
-    for a cold epoch, not a ceiling: nothing here parses a tar or makes a batch."""
+    ``dest`` holds a :class:`shardkit.landing.Landing` per key (page-aligned, touched by the
+    caller before the clock). A floor for a cold epoch, not a ceiling: nothing here parses a
+    tar or makes a batch."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
     import xxhash
 
+    from shardkit.landing import DirectWriter
+
     into.mkdir(parents=True, exist_ok=True)
     left = {key: -(-size // part) for key, size in objects}
     sizes = dict(objects)
+    maps = {key: buf.map for key, buf in dest.items()}
     mu = threading.Lock()
     batches = threading.local()
 
     def finish(key: str) -> None:
         size, buf = sizes[key], dest[key]
-        xxhash.xxh3_128_hexdigest(memoryview(buf)[:size])
-        fd = os.open(into / key.replace("/", "_"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
-        try:
-            for lo in range(0, size, part):
-                os.pwrite(fd, memoryview(buf)[lo:min(-(-size // 4096) * 4096, lo + part)], lo)
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+        xxhash.xxh3_128_hexdigest(memoryview(buf.map)[:size])
+        path = into / key.replace("/", "_")
+        path.touch()
+        writer = DirectWriter(str(path), buf)
+        for lo in range(0, size, part):
+            writer.write(lo, min(size, lo + part))
+        writer.finish(size)
         if not hasattr(batches, "out"):
             batches.out = np.empty(batch_bytes, np.uint8)
-        src = np.frombuffer(buf, np.uint8, size)
+        src = np.frombuffer(buf.map, np.uint8, size)
         for lo in range(0, size, batch_bytes):
             chunk = batches.out[:min(batch_bytes, size - lo)]
             np.copyto(chunk, src[lo:lo + chunk.nbytes])
@@ -211,7 +215,7 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
         done: list[Any] = []
 
         def landed(job: tuple[str, int, int]) -> None:
-            get_range_into(client, bucket, job, dest)
+            get_range_into(client, bucket, job, maps)
             with mu:
                 left[job[0]] -= 1
                 if left[job[0]] == 0:
@@ -221,6 +225,17 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
             list(getters.map(landed, part_jobs(objects, part)))
         for fut in done:
             fut.result()
+
+
+def floor_buffers(objects: Sequence[tuple[str, int]]) -> dict[str, Any]:
+    """A landing buffer per object for :func:`get_and_finish`, every page touched now (before
+    the clock, as the GET ceiling's buffers are)."""
+    from shardkit.landing import Landing
+
+    bufs = {key: Landing(-(-size // 4096) * 4096) for key, size in objects}
+    for buf in bufs.values():
+        buf.map.write(bytes(buf.capacity))
+    return bufs
 
 
 CEILING_PARTS = (8 << 20, 16 << 20, 32 << 20)
