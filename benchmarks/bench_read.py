@@ -5,9 +5,9 @@
 One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.sampledata; every reader
 uses 2 workers (or 2 read threads) and batch 256, and its consumer reads every payload byte
 (common.touch_count). Beside the GET ceiling, a floor: the same GETs plus the least a verified
-caching batch loader adds (common.get_and_finish). ``--pin-server`` gives SeaweedFS one CPU and the rest of the run the
-other (common.pin_server_apart): for the cold rows and GET ceilings, as if the store were remote;
-the warm rows then run on one core.
+caching batch loader adds (common.get_and_finish). ``--pin-server`` gives SeaweedFS one CPU and
+the rest of the run the other (common.pin_server_apart): for the cold rows, the ceilings and
+the floor, as if the store were remote; the warm rows then run on one core.
 Writes benchmarks/results/read.json (read_pinned.json with ``--pin-server``).
 """
 
