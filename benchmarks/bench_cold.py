@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (CEILING_PARTS, drop_cache, floor_buffers, get_and_finish, new_file_maps,  # noqa: E402
-                               packed_on_weed, part_jobs, pin_server_apart, ranged_get_into, settle_disk,
-                               time_loader, touch_count)
+from benchmarks.common import (CEILING_PARTS, add_pin_server_flag, bench_images, drop_cache,  # noqa: E402
+                               floor_buffers, get_and_finish, new_file_maps, packed_on_weed, part_jobs,
+                               ranged_get_into, settle_disk, time_loader, touch_count)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -56,19 +56,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--pin-server", action="store_true",
-                    help="SeaweedFS on one CPU, this benchmark on the others (common.pin_server_apart)")
+    add_pin_server_flag(ap)
     args = ap.parse_args()
 
     import torch  # noqa: F401 - imported before the clocks (the first loader would import it)
 
     import shardkit
     from shardkit import StreamingDataLoader, StreamingDataset
-    from shardkit.sampledata import make_image_folder
 
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-cold-"))
-    folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    folder = bench_images(args.count)
     rows: dict[str, list[dict[str, float]]] = {}
 
     def rec(name: str, m: dict[str, float]) -> None:
@@ -76,9 +74,7 @@ def main() -> None:
         print(f"{name:44s} {m['wall_s']:6.2f} s   client CPU {m['client_cpu_s']:5.2f} s   server CPU "
               f"{m['server_cpu_s']:5.2f} s   {m['cores_busy']:.2f} cores busy", flush=True)
 
-    with packed_on_weed(folder) as (server, client, url):
-        if args.pin_server:
-            pin_server_apart(server.pid)
+    with packed_on_weed(folder, pin_server=args.pin_server) as (server, client, url):
         ds = shardkit.open_dataset(url)
         objects = [(f"ds/{i.path}", i.bytes) for i in ds.shard_list]
         total = sum(b for _, b in objects)

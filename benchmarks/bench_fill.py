@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Weed, boto3_client, new_file_maps, part_jobs, ranged_get_into, settle_disk  # noqa: E402
+from benchmarks.common import (Weed, bench_images, boto3_client, new_file_maps, part_jobs,  # noqa: E402
+                               ranged_get_into, settle_disk)
 
 PART = 8 << 20
 GIB = 1 << 30
@@ -52,9 +53,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=4)
     args = ap.parse_args()
     import shardkit
-    from shardkit.sampledata import make_image_folder
 
-    folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    folder = bench_images(args.count)
     fresh = [first_touch_gb_per_s() for _ in range(3)]
     print("first touch of new memory: " + ", ".join(f"{r:.1f}" for r in fresh)
           + f" GB/s; the same pages again: {first_touch_gb_per_s(again=True):.0f} GB/s")

@@ -26,27 +26,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (boto3_client, drop_cache, floor_buffers, get_and_finish, get_ceiling,  # noqa: E402
-                               new_file_maps, packed_on_weed, part_jobs, pin_server_apart, ranged_get_into,
-                               settle_disk, time_loader, touch_count, touched_bytes)
+from benchmarks.common import (add_pin_server_flag, bench_images, boto3_client, drop_cache,  # noqa: E402
+                               floor_buffers, get_and_finish, get_ceiling, new_file_maps, packed_on_weed,
+                               part_jobs, ranged_get_into, settle_disk, time_loader, touch_count, touched_bytes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=3000)
-    ap.add_argument("--pin-server", action="store_true",
-                    help="SeaweedFS on one CPU, this benchmark on the others (common.pin_server_apart)")
+    add_pin_server_flag(ap)
     args = ap.parse_args()
     from torch.utils.data import DataLoader, Dataset
 
     import shardkit
     from shardkit import StreamingDataLoader, StreamingDataset
     from shardkit.batching import collate
-    from shardkit.sampledata import make_image_folder
 
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-read-"))
-    folder = make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{args.count}", args.count)
+    folder = bench_images(args.count)
     files = sorted(p for p in folder.rglob("*.jpg"))
     total_bytes = sum(p.stat().st_size for p in files)
     out: dict[str, dict[str, float]] = {}
@@ -55,9 +53,7 @@ def main() -> None:
         out[name] = {"seconds": seconds, "samples": n, "samples_per_s": n / seconds, "MB_per_s": nbytes / seconds / 1e6}
         print(f"{name:40s} {n / seconds:10.0f} samples/s {nbytes / seconds / 1e6:9.0f} MB/s")
 
-    with packed_on_weed(folder) as (server, client, url):
-        if args.pin_server:
-            pin_server_apart(server.pid)
+    with packed_on_weed(folder, pin_server=args.pin_server) as (server, client, url):
         ds = shardkit.open_dataset(url)
         shards = [(i.path, i.bytes) for i in ds.shard_list]
         sbytes = sum(b for _, b in shards)

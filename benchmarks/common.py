@@ -51,10 +51,28 @@ class Weed(devserver.DevServer):
         super().__init__(timeout=timeout, key_prefix="bk")
 
 
+def bench_images(count: int) -> Path:
+    """``count`` sample JPEGs (shardkit.sampledata), made once in the temp dir and kept for
+    later runs of any benchmark asking for as many."""
+    import tempfile
+
+    from shardkit.sampledata import make_image_folder
+
+    return make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{count}", count)
+
+
+def add_pin_server_flag(ap: Any) -> None:
+    """``--pin-server`` on an argparse parser (see :func:`pin_server_apart`)."""
+    ap.add_argument("--pin-server", action="store_true",
+                    help="SeaweedFS on one CPU, this benchmark on the others (common.pin_server_apart)")
+
+
 @contextlib.contextmanager
-def packed_on_weed(folder: Path, shard_bytes: str = "64MB") -> Iterator[tuple[devserver.S3Server, Any, str]]:
+def packed_on_weed(folder: Path, shard_bytes: str = "64MB",
+                   pin_server: bool = False) -> Iterator[tuple[devserver.S3Server, Any, str]]:
     """A throwaway SeaweedFS (the AWS_* variables of this process point at it) with ``folder``
-    packed by shardkit into ``s3://bench/ds``; yields (server, boto3 client, dataset URL)."""
+    packed by shardkit into ``s3://bench/ds``; yields (server, boto3 client, dataset URL).
+    ``pin_server``: after the pack, :func:`pin_server_apart` for the rest of the run."""
     import shardkit
 
     with Weed() as server:
@@ -63,6 +81,8 @@ def packed_on_weed(folder: Path, shard_bytes: str = "64MB") -> Iterator[tuple[de
         client.create_bucket(Bucket="bench")
         url = "s3://bench/ds"
         shardkit.pack(str(folder), url, shard_bytes=shard_bytes, progress=False)
+        if pin_server:
+            pin_server_apart(server.pid)
         yield server, client, url
 
 
