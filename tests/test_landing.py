@@ -100,8 +100,8 @@ def pins(pool: LandingPool = LANDING) -> list[int]:
 # ---- the pool ------------------------------------------------------------------------------
 
 
-def test_pool_reuses_idle_buffers_and_recycles_hot_ones_least_recent_first(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_reuses_idle_buffers_and_recycles_read_ones_first_then_least_recent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDKIT_LANDING_BYTES", "3MiB")
     pool = LandingPool()
     files = []
@@ -120,16 +120,44 @@ def test_pool_reuses_idle_buffers_and_recycles_hot_ones_least_recent_first(tmp_p
     hot_b = pool.hot(str(files[1]), os.stat(files[1]))
     assert hot_b is b and b.pins == 1
     pool.release(b)
-    # b was used last; a is the least recently used hot buffer, so it goes first.
+    # b was read (and used last); a and c were landed ahead of their reader: b goes first.
     d = pool.take(MB)
-    assert d is a and pool.hot(str(files[0]), os.stat(files[0])) is None
+    assert d is b and pool.hot(str(files[1]), os.stat(files[1])) is None
+    # With none read, the least recently used hot buffer goes: a.
+    e = pool.take(MB)
+    assert e is a and pool.hot(str(files[0]), os.stat(files[0])) is None
     pool.release(d)
     # A buffer that holds nothing is reused before any hot one.
-    e = pool.take(1000)
-    assert e is a and pool.hot(str(files[2]), os.stat(files[2])) is c
-    pool.release(c)
-    pool.release(e)
+    f = pool.take(1000)
+    assert f is b and pool.hot(str(files[2]), os.stat(files[2])) is c
+    for buf in (c, e, f):
+        pool.release(buf)
     assert pool.held_bytes() == 3 * MB  # no new memory
+
+
+def test_pool_takes_new_memory_before_a_buffer_landed_ahead_of_its_reader(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Recycling a shard not yet read would send its reader to the disk: the cache file was
+    # written with O_DIRECT. A process's first epoch did that for about half its shards.
+    monkeypatch.setenv("SHARDKIT_LANDING_BYTES", "3MiB")
+    pool = LandingPool()
+    f0, f1 = tmp_path / "f0", tmp_path / "f1"
+    for f in (f0, f1):
+        f.write_bytes(b"x")
+    a = pool.take(MB)
+    assert a is not None
+    pool.publish(a, str(f0), os.stat(f0))
+    b = pool.take(MB)
+    assert b is not None and b is not a and pool.held_bytes() == 2 * MB
+    pool.publish(b, str(f1), os.stat(f1))
+    read = pool.hot(str(f1), os.stat(f1))  # f1 read (and used last), f0 not yet
+    assert read is b
+    pool.release(b)
+    c = pool.take(MB)
+    assert c is b  # the read one, though used more recently
+    d = pool.take(MB)
+    assert d is not None and d not in (a, b) and pool.held_bytes() == 3 * MB  # new memory, not a
+    assert pool.hot(str(f0), os.stat(f0)) is a
 
 
 def test_pool_never_hands_out_a_pinned_buffer_and_checks_the_file(tmp_path: Path,
