@@ -115,8 +115,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        if self.cache_dir is not None:
-            self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
+        # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
+        # stream without a cache: they bound the manifest each worker holds (reader.Dataset).
+        self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed, self.shuffle_block = bool(shuffle), int(seed), int(shuffle_block)
         self.decode = decode

@@ -175,8 +175,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        if self.cache_dir is not None:  # as StreamingDataset: manifests bounded in memory, copies local
-            self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
+        # As StreamingDataset: manifests bounded in memory, copies local, with or without a cache.
+        self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.decode = decode
         self.part_size = parse_size(part_size, "part_size")

@@ -1,7 +1,8 @@
 """A reader with local manifest copies (every reader with a node cache) holds a bounded part of
 the sample manifest: fragments beyond ``shardkit.reader.FRAGMENT_BYTES`` are closed least
 recently used first, and reopened from the node's local copy (a memory map) when needed again.
-Without copies nothing is closed: reopening would fetch from storage."""
+Without copies nothing is closed: reopening would fetch from storage. StreamingDataset and
+ShardDataset keep copies with or without a shard cache."""
 
 from __future__ import annotations
 
@@ -81,3 +82,27 @@ def test_random_access_with_a_node_cache_keeps_manifest_copies(many_fragments: s
     assert got == want
     assert len(sd.ds._fragments) == 1  # the rest were closed, their copies kept
     assert len(list(Path(sd.ds.manifest_cache).glob("*.parquet"))) >= 5
+
+
+@pytest.mark.parametrize("kind", ["stream", "random"])
+def test_readers_without_a_shard_cache_keep_manifests_bounded_too(many_fragments: str, kind: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Streaming shards straight from storage must not mean holding the whole sample manifest
+    # (about 1 GB at 20 M samples) in every worker: copies go to the temp dir, not a cache.
+    import shutil
+
+    monkeypatch.setattr(reader, "FRAGMENT_BYTES", 0)
+    want = {f"s{i:03d}": bytes([i]) * (1000 + 37 * i) for i in range(60)}
+    if kind == "stream":
+        ds: shardkit.StreamingDataset | shardkit.ShardDataset = shardkit.StreamingDataset(many_fragments, shuffle=True)
+        samples = list(ds)
+    else:
+        ds = shardkit.ShardDataset(many_fragments)
+        samples = [ds[k] for k in range(len(ds))]
+    assert ds.cache_dir is None and ds.ds.manifest_cache is not None
+    try:
+        assert {s["__key__"]: bytes(s["bin"]) for s in samples} == want
+        assert len(ds.ds._fragments) == 1  # the rest were closed, their copies kept
+        assert len(list(Path(ds.ds.manifest_cache).glob("*.parquet"))) >= 5
+    finally:
+        shutil.rmtree(ds.ds.manifest_cache, ignore_errors=True)
