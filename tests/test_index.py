@@ -108,8 +108,13 @@ def test_index_on_s3_under_shards(s3_server, s3_bucket, s3_env):
     _check(f"{s3_bucket}/wds", tars, opts, prefix="shards/")
 
 
-def test_index_matches_pack(tmp_path):
-    """On shards shardkit wrote, index records exactly the manifest pack recorded."""
+@pytest.mark.parametrize("fragment_rows", [250_000, 7])
+def test_index_matches_pack(tmp_path, monkeypatch, fragment_rows):
+    """On shards shardkit wrote, index records exactly the manifest pack recorded; also when
+    the sample rows are written as many fragments (as at 250,000 rows on big datasets)."""
+    from shardkit import index
+
+    monkeypatch.setattr(index, "FRAGMENT_ROWS", fragment_rows)
     samples = [{"__key__": f"k{i:04d}", "bin": bytes([i % 251]) * (100 + 37 * i), "cls": i % 5} for i in range(50)]
     shardkit.pack(samples, str(tmp_path / "packed"), shard_bytes="20KB", progress=False)
     (tmp_path / "idx").mkdir()
@@ -122,6 +127,14 @@ def test_index_matches_pack(tmp_path):
     scols = ["shard", "num_samples", "bytes", "first_sample", "checksum"]
     assert a.shards.select(scols).equals(b.shards.select(scols))
     assert b.shards.column("path").to_pylist() == [p.split("/")[-1] for p in a.shards.column("path").to_pylist()]
+    fragments = len(set(b.shards.column("samples_file").to_pylist()))
+    if fragment_rows > 50:
+        assert fragments == 1
+    else:
+        assert fragments > 1
+        b.verify(deep=True)
+        got = {s["__key__"]: bytes(s["bin"]) for s in shardkit.StreamingDataset(str(tmp_path / "idx"))}
+        assert got == {s["__key__"]: s["bin"] for s in samples}
 
 
 def _hostile(kind: str) -> bytes:
