@@ -7,20 +7,25 @@ on the way, into the whole-file xxh3-128 and the per-sample xxh3-64 of
 ``[offset of the sample's first header, end of its last member)``. Memory is one read chunk
 plus the small headers between members, whatever the member sizes.
 
-Nothing is committed unless every tar scans cleanly: ``dataset.json`` is written last,
-create-only, exactly as :func:`shardkit.pack` does.
+Nothing is committed unless every tar scans cleanly and no sample key repeats:
+``dataset.json`` is written last, create-only, exactly as :func:`shardkit.pack` does. Keys
+are checked with a :class:`~shardkit.keyledger.KeyLedger` (12 bytes a key) once every tar is
+read, so the driver's memory stays small at tens of millions of samples.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any, BinaryIO, Iterator
 
 import xxhash
 
 from .errors import DatasetExistsError, SourceError, UnsafeTarError
-from .manifest import DATASET_JSON, commit, dataset_info, fragment_name, shards_table, write_fragment, write_shards_table
+from .keyledger import KeyLedger
+from .manifest import (DATASET_JSON, commit, dataset_info, fragment_name, parquet_file, shards_table, write_fragment,
+                       write_shards_table)
 from .progress import Progress
 from .storage import RETRY_ATTEMPTS, Store, is_transient, translate
 from .tarscan import TarMember, group_members, scan_tar, split_name
@@ -216,7 +221,7 @@ def _fields(url: str, members: list[TarMember]) -> list[dict[str, Any]]:
             for m, name in zip(members, field_names(url, members))]
 
 
-def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, seen: dict[str, str],
+def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLedger,
               fields: set[str], progress: Any = None) -> ShardRecord:
     """Scan one tar (one sequential read) and append its sample rows to ``rows``."""
     url = store.url_of(rel)
@@ -228,11 +233,7 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, seen: dict[s
         scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
         for key, members in group_members(_observe(scan, reader)):
             spans = _fields(url, members)
-            if key in seen:
-                where = seen[key]
-                raise SourceError(f"duplicate sample key {key!r}: in {where} and {rel}" if where != rel
-                                  else f"{url}: sample key {key!r} appears twice (members of a sample must be adjacent)")
-            seen[key] = rel
+            keys.add(key, shard)
             fields.update(s["name"] for s in spans)
             groups.append((key, members))
             rows.key.append(key)
@@ -290,13 +291,13 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
     files: list[str] = []
     groups: list[int] = []
     fields: set[str] = set()
-    seen: dict[str, str] = {}
+    keys = KeyLedger()
     rows = SampleRows()
     pending: list[ShardRecord] = []
     try:
         with Progress(None, total, len(tars), "index", enabled=progress) as bar:
             for rel in tars:
-                rec = index_tar(store, rel, len(records) + len(pending), rows, seen, fields, bar.advance)
+                rec = index_tar(store, rel, len(records) + len(pending), rows, keys, fields, bar.advance)
                 bar.task_done()
                 if rec.num_samples == 0:
                     log.warning("%s holds no samples; left out of the manifest", store.url_of(rel))
@@ -309,6 +310,7 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
                 _flush(store, len(set(files)), rows, pending, records, files, groups)
         if not records:
             raise SourceError(f"the tars at {store.url} hold no samples")
+        _refuse_repeated_keys(store, keys, records, files, groups)
         table = shards_table(records, files, groups)
         write_shards_table(store, table)
         info = dataset_info(table, sorted(fields), {"type": "index", "path": store.url, "tars": len(tars)}, None, [],
@@ -333,3 +335,28 @@ def _flush(store: Store, number: int, rows: SampleRows, pending: list[ShardRecor
     files.extend(name for _ in pending)
     groups.extend(row_groups)
     pending.clear()
+
+
+def _refuse_repeated_keys(store: Store, keys: KeyLedger, records: list[ShardRecord], files: list[str],
+                          groups: list[int]) -> None:
+    """Raise SourceError naming a key that two samples share (and their tars), reading back
+    only the keys of shards the ledger suspects (equal 64-bit hashes)."""
+    fragments: dict[str, Any] = {}
+
+    def keys_of(shard: int) -> list[str]:
+        name = files[shard]
+        if name not in fragments:
+            fragments[name] = parquet_file(store.read_bytes(name))
+        return fragments[name].read_row_group(groups[shard], columns=["key"], use_threads=False).column(0).to_pylist()
+
+    for a, b in keys.suspects():
+        url, rel_a, rel_b = store.url_of(records[a].path), records[a].path, records[b].path
+        if a == b:
+            repeated = sorted(k for k, n in Counter(keys_of(a)).items() if n > 1)
+            if repeated:
+                raise SourceError(f"{url}: sample key {repeated[0]!r} appears twice "
+                                  "(members of a sample must be adjacent)")
+        else:
+            both = sorted(set(keys_of(a)) & set(keys_of(b)))
+            if both:
+                raise SourceError(f"duplicate sample key {both[0]!r}: in {rel_a} and {rel_b}")

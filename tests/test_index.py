@@ -193,6 +193,28 @@ def test_duplicate_keys_across_tars_name_both(tmp_path):
     assert not (tmp_path / "dataset.json").exists()
 
 
+def test_key_repeated_inside_one_tar_is_refused(tmp_path):
+    _put(str(tmp_path), {"x.tar": _tarfile_bytes([("a.txt", b"1"), ("b.txt", b"2"), ("a.cls", b"3")])})
+    with pytest.raises(SourceError, match=r"x\.tar: sample key 'a' appears twice"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "dataset.json").exists()
+
+
+def test_keys_whose_hashes_collide_are_told_apart_by_reading_them_back(tmp_path, monkeypatch):
+    # The ledger keeps 64-bit key hashes, not keys: equal hashes are only suspects.
+    from shardkit import keyledger
+
+    monkeypatch.setattr(keyledger, "key_hash", lambda key: 7)  # every key collides
+    tars = _tars()
+    _put(str(tmp_path / "ok"), tars)
+    info = index_tars(str(tmp_path / "ok"), progress=False)
+    assert info["num_samples"] == 12 + 3 + 1
+    _check(str(tmp_path / "ok"), tars)
+    _put(str(tmp_path / "dup"), {**tars, "z.tar": _tarfile_bytes([("plain.bin", b"again")])})
+    with pytest.raises(SourceError, match=r"duplicate sample key 'plain': in a-001\.tar and z\.tar"):
+        index_tars(str(tmp_path / "dup"), progress=False)
+
+
 def test_no_tars(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     with pytest.raises(SourceError, match="no .tar files"):
