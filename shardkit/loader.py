@@ -80,6 +80,9 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         self._pool = BufferPool(pin=True) if bool(self.pin_memory) and _cuda_available() else None
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
+        # Unbatched (no batch_size anywhere): every item is one sample, whatever it holds
+        # (its "__key__" is a string, whose len() is not a sample count).
+        self._batched = batch_size is not None or dataset.batch_size is not None
 
     @staticmethod
     def _ring_slot_bytes(dataset: StreamingDataset) -> int:
@@ -114,10 +117,14 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             self._ring = _take_ring(self.num_workers, (self.prefetch_factor or 2) + 2, self._ring_bytes)
         dataset.ring = self._ring if self._use_ring else None
         self._ring_clean = False
+        share = dataset.samples_per_rank()
         for batch in super().__iter__():
             if isinstance(batch, RingBatch):
                 batch = self._from_ring(batch)
-            self._consumed += _count(batch, self._per_batch)
+            n = _count(batch) if self._batched else 1
+            # A batch that does not say its size (a decoder's tuples, say) is a full one: the
+            # workers take turns in whole batches, so only the rank's last batch is short.
+            self._consumed = min(self._consumed + (self._per_batch if n is None else n), share)
             yield batch
         self._ring_clean = not self.persistent_workers
 
@@ -176,12 +183,13 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-def _count(batch: Any, default: int) -> int:
-    if isinstance(batch, dict) and "__key__" in batch:
+def _count(batch: Any) -> int | None:
+    """Samples in a batch that says so (its keys), else None."""
+    if isinstance(batch, dict) and isinstance(batch.get("__key__"), (list, tuple)):
         return len(batch["__key__"])
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], dict) and "__key__" in batch[0]:
         return len(batch)
-    return default
+    return None
 
 
 def _cuda_available() -> bool:

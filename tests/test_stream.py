@@ -167,6 +167,46 @@ def test_dataloader_workers_exact_order_and_resume(local_ds: tuple[str, dict[str
     assert Counter(first + rest) == Counter(content.keys())
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unbatched_loader_counts_samples_and_resumes(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path,
+                                                      workers: int) -> None:
+    # No batch_size anywhere: the loader yields single samples, each one consumed sample
+    # (not len() of its key string, which skipped samples on resume).
+    url, content = local_ds
+    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), num_workers=workers)
+    it = iter(loader)
+    first = [next(it)["__key__"] for _ in range(100)]
+    state = loader.state_dict()
+    del it
+    assert state["consumed_per_rank"] == 100
+    resumed = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), num_workers=1)
+    resumed.load_state_dict(state)
+    rest = keys_of(resumed)
+    assert Counter(first + rest) == Counter(content.keys())
+
+
+def test_batches_of_decoded_tuples_count_the_short_last_batch(local_ds: tuple[str, dict[str, bytes]],
+                                                              tmp_path: Path) -> None:
+    # A decoder's tuples carry no keys the loader can count: every batch counts as full but
+    # the rank's last, so a state saved at the end of the epoch is exact (600 = 37 x 16 + 8).
+    url, content = local_ds
+    def make() -> StreamingDataLoader:
+        ds = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, decode=lambda s: (s["__key__"], len(s["bin"])))
+        return StreamingDataLoader(ds, batch_size=16, num_workers=2)
+    loader = make()
+    it = iter(loader)
+    first = [k for _ in range(5) for k in next(it)[0]]
+    assert loader.state_dict()["consumed_per_rank"] == 80
+    del it
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
+    rest = [k for keys, _ in resumed for k in keys]
+    assert Counter(first + rest) == Counter(content.keys())
+    assert resumed.state_dict()["consumed_per_rank"] == N - 80
+    whole = make()
+    assert sum(len(keys) for keys, _ in whole) == N and whole.state_dict()["consumed_per_rank"] == N
+
+
 def test_batched_dataset_in_workers_resume_world_change(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
     url, content = local_ds
     consumed, state = [], None
