@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from .errors import ConfigError, ShardkitError
-from .storage import (RETRY_ATTEMPTS, Store, backoff_delay, boto_settings, is_transient, s3_client,
+from .storage import (RETRY_ATTEMPTS, ShortRead, Store, backoff_delay, boto_settings, is_short, is_transient, s3_client,
                       translate)
 
 __all__ = ["ByteCounter", "TOTAL", "read_into", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
@@ -119,8 +119,9 @@ class _Part:
 Reader = Callable[[_Part], None]
 
 
-def _run_part(part: _Part, read: Reader, what: str, where: str) -> None:
-    """Fetch one part; after a transient fault resume from the byte it reached."""
+def _run_part(part: _Part, read: Reader, what: str, store: Store) -> None:
+    """Fetch one part; after a transient fault resume from the byte it reached (unless the
+    object itself ends before the part does: IntegrityError)."""
     failures = 0
     while part.pos < part.end:
         pos0 = part.pos
@@ -130,18 +131,20 @@ def _run_part(part: _Part, read: Reader, what: str, where: str) -> None:
         except Exception as exc:  # noqa: BLE001 - classified below
             if isinstance(exc, ShardkitError):
                 raise
+            if is_short(exc):
+                store.check_extent(what, part.end)
             failures = 1 if part.pos > pos0 else failures + 1  # progress renews the fault budget
             if failures < RETRY_ATTEMPTS and is_transient(exc):
                 log.debug("ranged read of %s: %s at byte %d; resuming", what, type(exc).__name__, part.pos)
                 time.sleep(backoff_delay(failures))
                 continue
-            raise translate(exc, what, where) from exc
+            raise translate(exc, what, store.where) from exc
 
 
-def _reporting(on_part: Callable[[int, int], None], base: int) -> Callable[[_Part, Reader, str, str], None]:
-    def run(part: _Part, read: Reader, what: str, where: str) -> None:
+def _reporting(on_part: Callable[[int, int], None], base: int) -> Callable[[_Part, Reader, str, Store], None]:
+    def run(part: _Part, read: Reader, what: str, store: Store) -> None:
         lo = part.pos - base
-        _run_part(part, read, what, where)
+        _run_part(part, read, what, store)
         on_part(lo, part.end - base)
     return run
 
@@ -151,7 +154,7 @@ def _fill(part: _Part, readinto: Callable[[memoryview], int | None], what: str) 
     while part.pos < part.end:
         n = readinto(part.dest(_READ_CHUNK))
         if not n:
-            raise ConnectionError(f"truncated body of {what} at byte {part.pos}")
+            raise ShortRead(f"truncated body of {what} at byte {part.pos}")
         part.landed(n)
 
 
@@ -165,7 +168,7 @@ def _boto_reader(client: Any, bucket: str, key: str, extra: dict[str, Any]) -> R
         try:
             length = int(resp.get("ContentLength", part.end - part.pos))
             if length != part.end - part.pos:
-                raise ConnectionError(f"ranged GET of {key} returned {length} bytes, asked {part.end - part.pos}")
+                raise ShortRead(f"ranged GET of {key} returned {length} bytes, asked {part.end - part.pos}")
             if fp is not None and hasattr(fp, "readinto") and hasattr(raw, "release_conn"):
                 # http.client's readinto moves bytes socket -> out with no temporary bytes;
                 # botocore's StreamingBody.read would allocate and copy every chunk.
@@ -258,15 +261,14 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
         read = _fsspec_reader(store, path)
     bounds = list(range(start, end, part_size)) + [end]
     parts = [_Part(view, start, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])]
-    where = store.where
     run = _run_part if on_part is None else _reporting(on_part, start)
     if len(parts) == 1 or concurrency == 1:
         for part in parts:
-            run(part, read, path, where)
+            run(part, read, path, store)
         return
     # A pool per call: threads are cheap next to 16 MB parts, and none outlive the read.
     with ThreadPoolExecutor(max_workers=min(concurrency, len(parts)), thread_name_prefix="shardkit-ranged") as pool:
-        futures = [pool.submit(run, part, read, path, where) for part in parts]
+        futures = [pool.submit(run, part, read, path, store) for part in parts]
         try:
             for fut in futures:
                 fut.result()

@@ -23,6 +23,7 @@ from fsspec.core import url_to_fs
 from .errors import (
     ConfigError,
     DatasetExistsError,
+    IntegrityError,
     ShardkitError,
     StorageError,
     StoragePermissionError,
@@ -105,6 +106,16 @@ def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
     if args is None or kwargs is None:
         return fs
     return type(fs)(*args, **kwargs)
+
+
+class ShortRead(ConnectionError):
+    """A body that ended before the range asked for: a dropped connection (retried), unless
+    the object itself ends there (see :meth:`Store.check_extent`)."""
+
+
+def is_short(exc: BaseException) -> bool:
+    """A read that came back short, or a range the object does not reach (S3's 416)."""
+    return isinstance(exc, ShortRead) or _error_code(exc) in ("InvalidRange", "416")
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -336,12 +347,30 @@ class Store:
     def read_bytes(self, rel: str) -> bytes:
         return self.call(lambda: self.fs.cat_file(self.path(rel)), rel)
 
+    def check_extent(self, rel: str, end: int) -> None:
+        """After a short read: raise IntegrityError if the object ``rel`` really ends before
+        byte ``end`` (truncated or replaced since its manifest was written), instead of
+        retrying it as a network fault and then blaming the network."""
+        try:
+            size = self.size(rel)
+        except ShardkitError:
+            return  # cannot tell: the caller goes on treating it as a fault
+        if size < end:
+            raise IntegrityError(f"{self.url_of(rel)} holds {size} bytes, fewer than the manifest says (a read "
+                                 f"up to byte {end}): it was truncated or replaced after it was written")
+
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object (boto3 on S3); a short body is retried as a fault."""
         def read() -> bytes:
-            data = b"".join(self._open_range(rel, start, end)) if end > start else b""
+            try:
+                data = b"".join(self._open_range(rel, start, end)) if end > start else b""
+            except Exception as exc:
+                if is_short(exc):
+                    self.check_extent(rel, end)
+                raise
             if len(data) != end - start:
-                raise ConnectionError(f"truncated read of {rel}: {len(data)} of {end - start} bytes")
+                self.check_extent(rel, end)
+                raise ShortRead(f"truncated read of {rel}: {len(data)} of {end - start} bytes")
             return data
         return self.call(read, rel)
 
@@ -451,10 +480,12 @@ class Store:
                     if progress:
                         progress(len(data))
                 if pos < end:
-                    raise ConnectionError(f"truncated body of {rel} at byte {pos}")
+                    raise ShortRead(f"truncated body of {rel} at byte {pos}")
             except Exception as exc:  # noqa: BLE001 - classified below
                 if isinstance(exc, ShardkitError):
                     raise
+                if is_short(exc):
+                    self.check_extent(rel, end)
                 failures += 1
                 if failures < _attempts_for(exc, RETRY_ATTEMPTS) and is_transient(exc):
                     time.sleep(backoff_delay(failures))

@@ -211,6 +211,34 @@ def test_wrong_credentials_on_s3(s3_server: Any, s3_bucket: str, tmp_path: Path)
             assert secret not in r.stderr and secret not in r.stdout
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_shard_truncated_in_storage_is_named_not_blamed_on_the_network(request: pytest.FixtureRequest, where: str,
+                                                                       tmp_path: Path) -> None:
+    # A short body is retried as a dropped connection, unless the object itself ends early:
+    # then the reader says so (IntegrityError naming the shard), not "cannot reach storage".
+    import fsspec
+
+    from shardkit.errors import IntegrityError
+
+    if where == "s3":
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        url, opts = f"{bucket}/ds", server.storage_options()
+    else:
+        url, opts = str(tmp_path / "ds"), {}
+    samples = [{"__key__": f"k{i:03d}", "bin": bytes([i]) * 5000} for i in range(60)]
+    shardkit.pack(samples, url, shard_bytes="100KB", storage_options=opts, progress=False)
+    victim = shardkit.open_dataset(url, storage_options=opts).shard_list[1].path
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    data = fs.cat_file(f"{root}/{victim}")
+    fs.pipe_file(f"{root}/{victim}", data[:len(data) // 2])
+    for kw in ({"cache_dir": tmp_path / "c1", "batch_size": 8}, {"cache_dir": tmp_path / "c2"}, {"cache_dir": None}):
+        stream = shardkit.StreamingDataset(url, storage_options=opts, **kw)  # type: ignore[arg-type]
+        with pytest.raises(IntegrityError) as err:
+            list(stream)
+        check_message(err.value, victim)
+        assert f"holds {len(data) // 2} bytes" in str(err.value) and "reach" not in str(err.value), kw
+
+
 def test_unreachable_endpoint(tmp_path: Path) -> None:
     src = folder(tmp_path / "src")
     endpoint = f"http://127.0.0.1:{closed_port()}"
