@@ -143,6 +143,31 @@ def test_duplicate_keys_in_file_list(tmp_path: Path) -> None:
     assert r.returncode == 1 and "duplicate key 'a'" in one_line(r.stderr)
 
 
+def test_folder_fields_differing_only_in_case_are_refused(tmp_path: Path) -> None:
+    # x.JPG and x.jpg would both be field "jpg" of sample "x": one would silently replace the other.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.JPG").write_bytes(b"upper")
+    (src / "x.jpg").write_bytes(b"lower")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+    check_message(err.value, "x.JPG", "x.jpg")
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
+def test_folder_names_with_separator_characters_pack_whole(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d=1|2").mkdir(parents=True)
+    want = {"d=1|2/a|b": {"jpg": b"1", "txt": b"2"}, "c": {"bin": b"3"}}
+    for key, fields in want.items():
+        for field, data in fields.items():
+            (src / f"{key}.{field}").write_bytes(data)
+    shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+    got = [{k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+           for s in shardkit.open_dataset(str(tmp_path / "out")).iter_samples()]
+    assert sorted(got, key=repr) == sorted(want.values(), key=repr)
+
+
 def test_duplicate_keys_in_iterable(tmp_path: Path) -> None:
     items = [{"__key__": k, "txt": f"v{i}"} for i, k in enumerate(["a", "b", "c", "b"])]
     with pytest.raises(SourceError) as err:

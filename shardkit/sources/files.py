@@ -6,6 +6,7 @@ work by bytes; data is read inside pack tasks. Large files stream into the tar i
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -111,7 +112,12 @@ class FolderSource:
             stem, dot, field = rel.rpartition("/")[2].partition(".")
             if not dot or not stem or not field:
                 raise SourceError(f"cannot group {root / rel} into a sample: name it <key>.<field> (e.g. 0001.jpg)")
-            groups.setdefault(_raw_key(rel), []).append((field.lower(), rel, size))
+            members = groups.setdefault(_raw_key(rel), [])
+            for other_field, other, _ in members:
+                if other_field == field.lower():  # x.JPG and x.jpg: one would overwrite the other
+                    raise SourceError(f"{root / other} and {root / rel} are both field {other_field!r} of sample "
+                                      f"{_raw_key(rel)!r} (field names are lowercased); rename one")
+            members.append((field.lower(), rel, size))
         if not groups:
             raise SourceError(f"source {root} holds no files")
         return groups
@@ -119,7 +125,8 @@ class FolderSource:
     def list_items(self) -> list[SourceItem]:
         items = []
         for raw, members in sorted(self._groups().items()):
-            ref = "|".join(f"{field}={rel}" for field, rel, _ in members)
+            # A JSON list of the files: names may hold any character but "/" and NUL.
+            ref = json.dumps([rel for _, rel, _ in members])
             items.append(SourceItem(ref=ref, nbytes=sum(s for _, _, s in members) + 1024 * len(members), key=safe_key(raw)))
         ensure_unique(items, self.root)
         return items
@@ -128,8 +135,8 @@ class FolderSource:
         root = Path(self.root)
         fields: dict[str, FieldValue] = {}
         first = None
-        for part in item.ref.split("|"):
-            field, _, rel = part.partition("=")
+        for rel in json.loads(item.ref):
+            field = rel.rpartition("/")[2].partition(".")[2].lower()  # as _groups named it
             first = first or rel
             fields[field] = read_field(root / rel)
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
