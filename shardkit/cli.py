@@ -81,7 +81,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report = ds.verify(deep=args.deep, progress=lambda n: bar.advance(0, n))
     except IntegrityError as exc:
         if args.json:
-            _print_json({"ok": False, "error": str(exc)})
+            _print_json({"ok": False, "error": str(exc), "failures": getattr(exc, "failures", [str(exc)])})
         print(f"shardkit: verify failed: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -203,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the contract: one line on stderr, a traceback only with --debug
+        if args.debug:
+            raise
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"shardkit: error: {type(exc).__name__}: {text} (--debug shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

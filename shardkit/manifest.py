@@ -56,7 +56,7 @@ SHARD_SCHEMA = pa.schema([
 ])
 
 
-def parquet_file(data: bytes) -> pq.ParquetFile:
+def parquet_file(data: bytes, name: str = "manifest") -> pq.ParquetFile:
     """A ParquetFile over bytes in memory.
 
     Always through ``pa.BufferReader``, and callers read with ``use_threads=False``: pyarrow
@@ -64,7 +64,10 @@ def parquet_file(data: bytes) -> pq.ParquetFile:
     exception") once its thread pools ran (reading through a Python file object did so ~1 run
     in 10 here). Manifest row groups are small: threads buy nothing there.
     """
-    return pq.ParquetFile(pa.BufferReader(data))
+    try:
+        return pq.ParquetFile(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{name} is not a readable Parquet file ({str(exc).splitlines()[0]})") from exc
 
 
 def fragment_name(task: int) -> str:
@@ -208,7 +211,10 @@ def read_info(store: Store) -> dict[str, Any]:
 
 def read_shards(store: Store) -> pa.Table:
     data = store.read_bytes(SHARDS_PARQUET)
-    table = parquet_file(data).read(use_threads=False)
+    try:
+        table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({str(exc).splitlines()[0]})") from exc
     missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
     if missing:
         raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")

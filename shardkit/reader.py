@@ -52,6 +52,7 @@ _MEMO_DATASETS = 8
 # shards are spread over all of them would otherwise end up holding all of them, in every
 # DataLoader worker.
 FRAGMENT_BYTES = 64 * 2**20
+VERIFY_NAMED = 5  # failing shards a verify error names in its one line
 
 
 class ShardRows:
@@ -204,7 +205,7 @@ class Dataset:
             held = self._local_fragment(name) if self.manifest_cache else None
         if held is None:
             data = self.store.read_bytes(name)
-            held = (parquet_file(data), len(data))
+            held = (parquet_file(data, self.store.url_of(name)), len(data))
             if self.manifest_cache:
                 self._keep_fragment(name, data)
         self._fragments[name] = held  # most recently used last
@@ -251,8 +252,12 @@ class Dataset:
         if info.num_samples == 0:
             return self.samples.schema.empty_table() if self._samples is not None else self._empty_rows()
         if info.samples_file and info.samples_row_group >= 0:
-            table = self._fragment(info.samples_file).read_row_group(info.samples_row_group, columns=columns,
-                                                                     use_threads=False)
+            try:
+                table = self._fragment(info.samples_file).read_row_group(info.samples_row_group, columns=columns,
+                                                                         use_threads=False)
+            except (pa.ArrowException, OSError) as exc:
+                raise ManifestError(f"{self.store.url_of(info.samples_file)}: rows of shard {shard} are unreadable "
+                                    f"({str(exc).splitlines()[0]})") from exc
         else:  # a manifest without the row-group columns: filter the fragments
             table = self.samples.filter(pc.equal(self.samples.column("shard"), shard))
             if columns is not None:
@@ -278,7 +283,7 @@ class Dataset:
         """All sample rows (loaded on first access: only for tools, not for every rank)."""
         if self._samples is None:
             files = sorted({s.samples_file for s in self.shard_list if s.samples_file}) or self.store.glob("manifest/samples-*.parquet")
-            tables = [parquet_file(self.store.read_bytes(f)).read(use_threads=False) for f in files]
+            tables = [parquet_file(self.store.read_bytes(f), self.store.url_of(f)).read(use_threads=False) for f in files]
             self._samples = pa.concat_tables(tables, promote_options="default") if tables else self._empty_rows()
         return self._samples
 
@@ -302,28 +307,45 @@ class Dataset:
     def verify(self, deep: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         """Check every shard is present with the manifest's size (``deep``: and checksums).
 
-        Raises IntegrityError naming the first shard (and sample, when deep) at fault.
+        Checks every shard even after one fails, so one run lists all that need repair.
+
+        Raises:
+            IntegrityError: naming each shard (and sample, when deep) at fault (the first
+                :data:`VERIFY_NAMED` of them; ``.failures`` lists them all, one line each).
         """
         checked = 0
+        failures: list[str] = []
         for info in self.shard_list:
-            if deep:
-                data = self.store.read_bytes(info.path)
-                rows = self.shard_rows(info.shard)
-                view = memoryview(data)
-                for i in range(len(rows)):
-                    verify_sample(view, 0, rows, i, info.path)
-                check_shard_bytes(data, info)
-            else:
-                try:
-                    size = self.store.size(info.path)
-                except Exception as exc:  # noqa: BLE001 - a missing shard is an integrity failure
-                    raise IntegrityError(f"shard {info.shard} ({info.path}) is missing or unreadable: {exc}") from exc
-                if size != info.bytes:
-                    raise IntegrityError(f"shard {info.shard} ({info.path}) is {size} bytes, manifest says {info.bytes}")
+            try:
+                self._verify_shard(info, deep)
+            except IntegrityError as exc:
+                failures.append(str(exc))
             checked += 1
             if progress:
                 progress(info.bytes)
+        if failures:
+            named = "; ".join(failures[:VERIFY_NAMED])
+            more = f"; and {len(failures) - VERIFY_NAMED} more" if len(failures) > VERIFY_NAMED else ""
+            err = IntegrityError(f"{len(failures)} of {checked} shards fail: {named}{more}" if len(failures) > 1
+                                 else failures[0])
+            err.failures = failures  # type: ignore[attr-defined]
+            raise err
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
+
+    def _verify_shard(self, info: ShardInfo, deep: bool) -> None:
+        try:
+            size = self.store.size(info.path)
+        except Exception as exc:  # noqa: BLE001 - a missing shard is an integrity failure
+            raise IntegrityError(f"shard {info.shard} ({info.path}) is missing or unreadable: {exc}") from exc
+        if size != info.bytes:
+            raise IntegrityError(f"shard {info.shard} ({info.path}) is {size} bytes, manifest says {info.bytes}")
+        if deep:
+            data = self.store.read_bytes(info.path)
+            rows = self.shard_rows(info.shard)
+            view = memoryview(data)
+            for i in range(len(rows)):
+                verify_sample(view, 0, rows, i, info.path)
+            check_shard_bytes(data, info)
 
 
 def manifest_copies_dir(namespace: str) -> str | None:

@@ -174,6 +174,40 @@ def test_verify_reports_corruption_and_missing_shards(source: Path, tmp_path: Pa
     assert json.loads(r.stdout)["ok"] is False
 
 
+def test_verify_names_every_damaged_shard_in_one_run(source: Path, tmp_path: Path) -> None:
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(source), url, shard_bytes="8KB", progress=False)
+    ds = shardkit.open_dataset(url)
+    flipped, cut = (Path(url) / ds.shard_list[1].path), (Path(url) / ds.shard_list[2].path)
+    victim = ds.shard_samples(1).to_pylist()[0]
+    data = bytearray(flipped.read_bytes())
+    data[victim["fields"][0]["offset"]] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-512])
+    r = cli("verify", url, "--deep", "--json")
+    assert r.returncode == 1
+    line = one_line(r.stderr)
+    assert "2 of" in line and victim["key"] in line and ds.shard_list[2].path in line
+    failures = json.loads(r.stdout)["failures"]
+    assert len(failures) == 2 and ds.shard_list[1].path in failures[0] and ds.shard_list[2].path in failures[1]
+    r = cli("verify", url)  # sizes only: the cut shard
+    assert r.returncode == 1 and ds.shard_list[2].path in one_line(r.stderr) and "2 of" not in r.stderr
+
+
+def test_unexpected_errors_are_one_line_without_a_traceback(source: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    r = cli("pack", str(source), str(tmp_path / "afile" / "sub"))  # a destination under a file
+    assert r.returncode == 1 and "afile" in one_line(r.stderr)
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(source), url, shard_bytes="8KB", progress=False)
+    (Path(url) / "manifest" / "shards.parquet").write_bytes(b"garbage")
+    for cmd in ("info", "verify"):
+        r = cli(cmd, url)
+        assert r.returncode == 1 and "shards.parquet" in one_line(r.stderr), r.stderr
+    with pytest.raises(shardkit.errors.ManifestError, match="shards.parquet"):
+        shardkit.StreamingDataset(url)
+
+
 # --------------------------------------------------------------------------- 6. no commit
 
 
