@@ -40,6 +40,11 @@ class IntegrityError(ShardkitError, ValueError):
     """Bytes on storage or in the cache disagree with the manifest (names shard/sample)."""
 
 
+class DecodeError(ShardkitError, ValueError):
+    """A sample's field does not decode (names the sample, its shard and the field); the
+    decoder's own error is its ``__cause__``."""
+
+
 class UnsafeTarError(ShardkitError, ValueError):
     """A tar from outside holds a member we refuse (traversal, link, device, bad size)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -262,6 +263,32 @@ def test_shard_truncated_in_storage_is_named_not_blamed_on_the_network(request: 
             list(stream)
         check_message(err.value, victim)
         assert f"holds {len(data) // 2} bytes" in str(err.value) and "reach" not in str(err.value), kw
+
+
+def test_decode_errors_name_the_sample_its_shard_and_field(tmp_path: Path) -> None:
+    from shardkit.errors import DecodeError
+
+    good = [{"__key__": f"ok{i}", "cls": str(i).encode(), "json": b'{"a": 1}'} for i in range(5)]
+    for bad, field in (({"__key__": "bad", "cls": b"abc", "json": b"{}"}, "cls"),
+                       ({"__key__": "bad", "cls": b"1", "json": b"{nope"}, "json"),
+                       ({"__key__": "bad", "cls": b"1", "jpg": b"not an image"}, "jpg")):
+        url = str(tmp_path / field)
+        shardkit.pack([*good, bad], url, progress=False)
+        shard = shardkit.open_dataset(url).shard_list[0].path
+        with pytest.raises(DecodeError) as err:
+            list(shardkit.StreamingDataset(url, decode="pil"))
+        check_message(err.value, "'bad'", shard, repr(field))
+        assert err.value.__cause__ is not None
+    def strict(sample: dict[str, Any]) -> int:
+        return int(bytes(sample["cls"]))
+    loader = shardkit.StreamingDataLoader(shardkit.StreamingDataset(str(tmp_path / "cls"), decode=strict), num_workers=2)
+    try:
+        list(loader)
+        message = ""
+    except Exception as exc:  # noqa: BLE001 - torch re-raises the worker's error as its own type
+        message = str(exc)
+    gc.collect()  # the failed epoch's workers go with its iterator
+    assert "'bad'" in message and "strict" in message  # also from a DataLoader worker
 
 
 def test_unreachable_endpoint(tmp_path: Path) -> None:
