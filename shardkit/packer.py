@@ -184,21 +184,34 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
                       summary["fields"], sum(r.num_samples for r in records), sum(r.bytes for r in records), reused=True)
 
 
-def _claim(store: Store, plan_id: str, overwrite: bool) -> None:
-    """Mark the destination as taken by this plan; refuse a different plan's leftovers."""
-    body = json.dumps({"plan_id": plan_id, "started": time.time()}).encode()
+def _claim(store: Store, plan_id: str, overwrite: bool, settings: dict[str, Any]) -> None:
+    """Mark the destination as taken by this plan; refuse a different plan's leftovers,
+    saying what differs (the claim records the settings, which dataset.json shows anyway)."""
+    body = json.dumps({"plan_id": plan_id, "started": time.time(), "settings": settings},
+                      sort_keys=True, default=str).encode()
     try:
         store.put_create(CLAIM, body)
         return
     except DatasetExistsError:
         pass
-    other = json.loads(store.read_bytes(CLAIM)).get("plan_id")
+    claim = json.loads(store.read_bytes(CLAIM))
+    other = claim.get("plan_id")
     if other == plan_id:
         return  # a rerun of the same pack: resume
     if not overwrite:
+        then = json.loads(json.dumps(claim.get("settings"), default=str)) if claim.get("settings") else None
+        now = json.loads(json.dumps(settings, default=str))
+        if then is None:
+            what = "input or settings"
+        elif then != now:
+            what = "settings: " + ", ".join(f"{k} {then.get(k)!r} then, {now.get(k)!r} now"
+                                            for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
+        else:
+            what = "input: the source's files changed"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(claim.get("started", 0)))
         raise DatasetExistsError(
-            f"{store.url} holds an unfinished pack of different input (plan {other}); "
-            "it may still be running. Rerun with --overwrite to discard it")
+            f"{store.url} holds an unfinished pack (plan {other}, started {started}) with other {what}; "
+            "if it is not still running, rerun with --overwrite to discard it, or rerun it as it was to finish it")
     store.put_bytes(CLAIM, body)
 
 
@@ -260,10 +273,12 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     items = src.list_items()
     if not items:
         raise SourceError(f"source {source} is empty")
+    settings = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
-                     options={"on_error": on_error, "transform": desc, "source": src.describe()})
+                     options=settings)
     _prepare_destination(store, overwrite)
-    _claim(store, plan.plan_id, overwrite)
+    _claim(store, plan.plan_id, overwrite, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
+                                            "task_bytes": opts.task_bytes})
     _sweep_temp(store)
     runner = _run_ray if engine == "ray" else _run_local
     results = runner(store, src, plan, opts, progress, ray_address)

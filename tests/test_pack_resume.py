@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import shardkit
-from shardkit.errors import DatasetExistsError
+from shardkit.errors import DatasetExistsError, SourceError
 from shardkit.sources import ImageFolderSource
 from shardkit.sources.base import SourceItem
 
@@ -183,7 +183,7 @@ def test_race_different_input_second_refused(tmp_path, s3_server, s3_bucket):
         deadline = time.monotonic() + 30
         while not fs.exists(f"{dest[5:]}/_pack/plan.json") and time.monotonic() < deadline and t.is_alive():
             time.sleep(0.02)
-        with pytest.raises(DatasetExistsError, match="unfinished pack of different input"):
+        with pytest.raises(DatasetExistsError, match="unfinished pack .* with other"):
             shardkit.pack(str(tmp_path / "b"), dest, shard_bytes="20KB", labels_from_dirs=True,
                           storage_options=opts, progress=False)
     finally:
@@ -268,3 +268,23 @@ def test_failed_shard_upload_writes_no_fragment_and_resume_redoes_only_the_rest(
                   progress=False)
     a, _ = compare_datasets(dest, f"{s3_bucket}/clean", opts)
     a.verify(deep=True)
+
+
+def test_rerun_with_other_settings_is_told_what_differs(tmp_path):
+    # A pack that stopped at a bad input, rerun with on_error="skip": refused, saying which
+    # setting differs and how to go on (not only "different input ... may still be running").
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"k{i}.bin").write_bytes(bytes([i]) * 100)
+    (src / "k9.bin").symlink_to(tmp_path / "gone")  # dangling: fails when loaded
+    dest = str(tmp_path / "ds")
+    with pytest.raises(SourceError, match="k9"):
+        shardkit.pack(str(src), dest, shard_samples=2, task_bytes="1", progress=False)
+    with pytest.raises(DatasetExistsError) as err:
+        shardkit.pack(str(src), dest, shard_samples=2, task_bytes="1", on_error="skip", progress=False)
+    msg = str(err.value)
+    assert "on_error 'raise' then, 'skip' now" in msg and "--overwrite" in msg and "\n" not in msg
+    info = shardkit.pack(str(src), dest, shard_samples=2, task_bytes="1", on_error="skip", overwrite=True,
+                         progress=False)
+    assert info["num_samples"] == 6 and [s["key"] for s in info["skipped"]] == ["k9"]
