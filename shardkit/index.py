@@ -43,9 +43,11 @@ _PACK_CLAIM = "_pack/plan.json"
 
 
 def list_tars(store: Store) -> list[str]:
-    """``*.tar`` directly under the root and under ``shards/``, relative to the root, sorted."""
-    found = set(store.glob("*.tar")) | set(store.glob("shards/*.tar"))
-    return sorted(found)
+    """Every ``*.tar`` under the root, in subfolders too (as ``shardkit pack`` of a folder of
+    tars reads them), relative to the root, sorted; not what an unfinished pack left in
+    ``_pack/``."""
+    found = set(store.glob("*.tar")) | set(store.glob("**/*.tar"))
+    return sorted(t for t in found if not t.startswith("_pack/"))
 
 
 class _OnePass:
@@ -284,7 +286,7 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         raise DatasetExistsError(f"{store.url} holds an unfinished pack ({_PACK_CLAIM}); finish or remove it first")
     tars = list_tars(store)
     if not tars:
-        raise SourceError(f"no .tar files at {store.url} (looked at *.tar and shards/*.tar)")
+        raise SourceError(f"no .tar files at {store.url} (looked at **/*.tar)")
     store.remove("manifest", recursive=True)  # an uncommitted manifest is stale by definition
     total = sum(store.size(t) for t in tars)
     records: list[ShardRecord] = []

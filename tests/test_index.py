@@ -99,6 +99,16 @@ def test_index_local_tarwriter_and_tarfile(tmp_path):
     assert {"seg.png", "npy", "jpg"} <= set(ds.fields)
 
 
+def test_index_reads_tars_in_subfolders_too(tmp_path):
+    tars = _tars()
+    _put(str(tmp_path), {"a-000.tar": tars["a-000.tar"], "nested/deeper/a-001.tar": tars["a-001.tar"],
+                         "nested/a-002.tar": tars["a-002.tar"]})
+    info = index_tars(str(tmp_path), progress=False)
+    assert info["num_shards"] == 3 and info["num_samples"] == 12 + 3 + 1
+    _check(str(tmp_path), {"a-000.tar": tars["a-000.tar"], "nested/a-002.tar": tars["a-002.tar"],
+                           "nested/deeper/a-001.tar": tars["a-001.tar"]})
+
+
 @pytest.mark.s3
 def test_index_on_s3_under_shards(s3_server, s3_bucket, s3_env):
     tars = _tars()
