@@ -55,3 +55,14 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def checked_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str | None:
+    """``cache_dir`` as a path, or None (no cache). An empty string is refused: it would
+    make the current directory the node cache."""
+    if cache_dir is None:
+        return None
+    path = os.fsdecode(cache_dir)
+    if not path.strip():
+        raise ConfigError("cache_dir: empty; pass a directory on local disk (NVMe) or None to stream without a cache")
+    return path

@@ -27,7 +27,7 @@ from .batching import collate
 from .cache import ShardCache
 from .cachefs import write_replace
 from .codecs import make_decoder
-from .config import parse_size
+from .config import checked_cache_dir, parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
@@ -114,7 +114,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             raise ConfigError(f"read_threads: must be an int >= 0, got {read_threads!r}")
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.cache_dir = checked_cache_dir(cache_dir)
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
         # stream without a cache: they bound the manifest each worker holds (reader.Dataset).
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))

@@ -33,7 +33,7 @@ import xxhash
 
 from .cache import CachedShard, ShardCache
 from .codecs import make_decoder, npy_view
-from .config import parse_size
+from .config import checked_cache_dir, parse_size
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
 from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
@@ -174,7 +174,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             raise ConfigError("cache_shards=True needs a cache_dir")
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.cache_dir = checked_cache_dir(cache_dir)
         # As StreamingDataset: manifests bounded in memory, copies local, with or without a cache.
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")

@@ -116,6 +116,7 @@ class Dataset:
         self._first_samples: np.ndarray | None = None
         self._fragments: OrderedDict[str, tuple[pq.ParquetFile, int]] = OrderedDict()
         self._samples: pa.Table | None = None
+        self._identity: str | None = None
         # A local directory keeping copies of the sample-manifest fragments (set by readers
         # with a node cache): a warm epoch's fresh workers then read no manifest from storage.
         self.manifest_cache: str | None = None
@@ -135,6 +136,7 @@ class Dataset:
         self._first_samples = None
         self._fragments = OrderedDict()
         self._samples = None
+        self._identity = None
         self.manifest_cache = state.get("manifest_cache")
 
     @property
@@ -169,8 +171,12 @@ class Dataset:
 
     @property
     def identity(self) -> str:
-        """What names this committed dataset: a re-pack at the same URL is another dataset."""
-        return f"{self.url}\0{self.info.get('created')}\0{self.info.get('total_bytes')}"
+        """What names this committed dataset: a re-pack at the same URL is another dataset,
+        also within the same second and at the same size (its shards' checksums differ)."""
+        if self._identity is None:
+            sums = xxhash.xxh3_64_hexdigest("\0".join(self.shards.column("checksum").to_pylist()).encode())
+            self._identity = f"{self.url}\0{self.info.get('created')}\0{self.info.get('total_bytes')}\0{sums}"
+        return self._identity
 
     def memo(self, name: str) -> dict[Any, Any]:
         """A dict kept in this process for this committed dataset, shared by every object

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import shardkit
-from shardkit.errors import (DatasetExistsError, ShardkitError, SourceError, SourceNotFoundError, StorageError,
+from shardkit.errors import (ConfigError, DatasetExistsError, ShardkitError, SourceError, SourceNotFoundError, StorageError,
                              StoragePermissionError)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -289,6 +289,19 @@ def test_decode_errors_name_the_sample_its_shard_and_field(tmp_path: Path) -> No
         message = str(exc)
     gc.collect()  # the failed epoch's workers go with its iterator
     assert "'bad'" in message and "strict" in message  # also from a DataLoader worker
+
+
+@pytest.mark.parametrize("reader", ["stream", "random"])
+def test_empty_cache_dir_is_refused_not_the_working_directory(tmp_path: Path, reader: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    url = str(tmp_path / "ds")
+    shardkit.pack([{"__key__": "a", "bin": b"1"}], url, progress=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    make = shardkit.StreamingDataset if reader == "stream" else shardkit.ShardDataset
+    with pytest.raises(ConfigError, match="cache_dir"):
+        make(url, cache_dir="")
+    assert list((tmp_path / "cwd").iterdir()) == []
 
 
 def test_unreachable_endpoint(tmp_path: Path) -> None:

@@ -372,3 +372,31 @@ def test_manifest_copies_only_in_a_private_directory(tmp_path: Path, monkeypatch
     root.rmdir()
     root.symlink_to(tmp_path)  # a planted symlink is not a private directory either
     assert manifest_copies_dir("ns1") is None
+
+
+def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # Same URL, same second, same byte count, other bytes: another dataset. Sharing a cache
+    # namespace made every cached shard look "corrupt on disk" to the new one.
+    import json
+
+    from shardkit.dataset import cache_namespace
+
+    url = str(tmp_path / "ds")
+    first = shardkit.pack([{"__key__": f"k{i}", "bin": bytes([i]) * 500} for i in range(20)], url,
+                          shard_bytes="4KB", progress=False)
+    old = shardkit.open_dataset(url)
+    assert len(keys_of(StreamingDataset(url, cache_dir=tmp_path / "cache"))) == 20
+    shardkit.pack([{"__key__": f"k{i}", "bin": bytes([i + 1]) * 500} for i in range(20)], url,
+                  shard_bytes="4KB", overwrite=True, progress=False)
+    info_path = Path(url) / "dataset.json"
+    info = json.loads(info_path.read_text())
+    info["created"] = first["created"]  # as if packed within the same second
+    info_path.write_text(json.dumps(info))
+    new = shardkit.open_dataset(url)
+    assert new.info["total_bytes"] == old.info["total_bytes"]
+    assert cache_namespace(new) != cache_namespace(old)
+    with caplog.at_level("WARNING", logger="shardkit"):
+        got = {x["__key__"]: bytes(x["bin"]) for x in StreamingDataset(url, cache_dir=tmp_path / "cache")}
+    assert got == {f"k{i}": bytes([i + 1]) * 500 for i in range(20)}
+    assert "corrupt" not in caplog.text
