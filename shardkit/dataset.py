@@ -553,7 +553,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """Counters of this rank since the dataset was made, summed over its processes.
 
         Keys: ``bytes_fetched`` (from storage), ``hits``/``misses`` (foreground cache opens
-        that found / downloaded the shard), ``prefetched`` (background downloads), ``landed``
+        that found / had to download the shard: a shard prefetched in time is a hit, so a cold
+        epoch that prefetches well shows hits, and its downloads under ``prefetched``),
+        ``prefetched`` (background downloads), ``prefetch_skipped``, ``landed``
         (downloads through a landing buffer, see landing), ``evictions``, ``corrupt_refetches``,
         ``direct_reads`` (ranged reads without cache),
         ``samples``, ``wait_seconds`` (time blocked on data) and ``wait_seconds_per_worker``.
@@ -570,8 +572,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             for k, v in data.items():
                 total[k] = total.get(k, 0) + v
             per_worker[os.path.basename(path)[6:-5]] = data.get("wait_seconds", 0.0)
-        for k in ("bytes_fetched", "hits", "misses", "prefetched", "landed", "evictions", "corrupt_refetches",
-                  "direct_reads", "samples"):
+        for k in ("bytes_fetched", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "evictions",
+                  "corrupt_refetches", "direct_reads", "samples"):
             total[k] = int(total.get(k, 0))
         total.setdefault("wait_seconds", 0.0)
         total["wait_seconds_per_worker"] = per_worker
