@@ -31,7 +31,7 @@ from .plan import PackPlan, TaskPlan, make_plan
 from .progress import Progress
 from .sample import PackSample
 from .sources import resolve_source
-from .sources.base import Source, SourceItem
+from .sources.base import ListingSkips, Source, SourceItem
 from .storage import Store
 from .writer import SampleRows, ShardRecord, ShardWriter, TarShard, Uploader
 
@@ -269,6 +269,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
         return _pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
+    if listing is not None:
+        listing.skip = on_error == "skip"
     started = time.monotonic()
     items = src.list_items()
     if not items:
@@ -282,7 +285,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     _sweep_temp(store)
     runner = _run_ray if engine == "ray" else _run_local
     results = runner(store, src, plan, opts, progress, ray_address)
-    return _commit(store, src.describe(), src.labels(), results, started, engine, opts)
+    return _commit(store, src.describe(), src.labels(), results, started, engine, opts,
+                   listing.skipped if listing is not None else [])
 
 
 def _run_local(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
@@ -354,7 +358,8 @@ def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOpti
 
 
 def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | None, results: list[TaskResult],
-            started: float, engine: str, opts: PackOptions) -> dict[str, Any]:
+            started: float, engine: str, opts: PackOptions, listing_skipped: list[dict[str, str]] | None = None
+            ) -> dict[str, Any]:
     records = [r for res in results for r in res.shards]
     files = [res.fragment for res in results for _ in res.shards]
     groups = [g for res in results for g in res.row_groups]
@@ -364,7 +369,7 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
         raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
     write_shards_table(store, table)
     fields = sorted({f for res in results for f in res.fields})
-    skipped = [s for res in results for s in res.skipped]
+    skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]
     info = dataset_info(table, fields, source_desc, labels, skipped,
                         {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
     commit(store, info)

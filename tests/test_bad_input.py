@@ -169,6 +169,26 @@ def test_folder_names_with_separator_characters_pack_whole(tmp_path: Path) -> No
     assert sorted(got, key=repr) == sorted(want.values(), key=repr)
 
 
+def test_on_error_skip_leaves_out_what_listing_cannot_use(tmp_path: Path) -> None:
+    # A README among <key>.<field> files, a file list's row naming a missing file: an error
+    # naming it by default; with on_error="skip", left out and listed under "skipped".
+    src = folder(tmp_path / "src")
+    (src / "README").write_text("about this data")
+    with pytest.raises(SourceError, match="README"):
+        shardkit.pack(str(src), str(tmp_path / "a"), progress=False)
+    info = shardkit.pack(str(src), str(tmp_path / "b"), on_error="skip", progress=False)
+    assert info["num_samples"] == 4 and [s["ref"] for s in info["skipped"]] == [str(src / "README")]
+    assert "cannot group" in info["skipped"][0]["reason"]
+    listing = tmp_path / "list.csv"
+    listing.write_text("path,label\n" + "".join(f"src/{p.name},1\n" for p in sorted(src.glob("*.txt")))
+                       + "missing.bin,2\n")
+    with pytest.raises(SourceError, match="missing.bin"):
+        shardkit.pack(str(listing), str(tmp_path / "c"), progress=False)
+    info = shardkit.pack(str(listing), str(tmp_path / "d"), on_error="skip", progress=False)
+    n = len(list(src.glob("*.txt")))
+    assert info["num_samples"] == n and len(info["skipped"]) == 1 and "missing.bin" in info["skipped"][0]["reason"]
+
+
 def test_duplicate_keys_in_iterable(tmp_path: Path) -> None:
     items = [{"__key__": k, "txt": f"v{i}"} for i, k in enumerate(["a", "b", "c", "b"])]
     with pytest.raises(SourceError) as err:

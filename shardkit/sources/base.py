@@ -7,10 +7,14 @@ Sources are pickled into Ray tasks, so they hold only URLs, paths and plain opti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..errors import SourceError
 from ..sample import PackSample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,20 @@ class Source(Protocol):
     def labels(self) -> dict[str, int] | None:
         """Class name -> index where the source has classes, else None."""
         ...
+
+
+@dataclass
+class ListingSkips:
+    """Bad entries a source meets while listing (a file named ``README`` in a folder of
+    ``<key>.<field>`` files, a file list's row naming a missing file): with
+    ``on_error="skip"`` they are left out and listed in dataset.json's ``skipped`` like bad
+    samples, else the first one raises."""
+
+    skip: bool = False
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    def bad(self, ref: str, reason: str) -> None:
+        if not self.skip:
+            raise SourceError(reason)
+        log.warning("skipped %s: %s", ref, reason)
+        self.skipped.append({"ref": ref, "key": "", "reason": reason})

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, safe_key
-from .base import SourceItem
+from .base import ListingSkips, SourceItem
 
 STREAM_THRESHOLD = 16 * 2**20
 _CHUNK = 8 * 2**20
@@ -102,16 +102,20 @@ class FolderSource:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = str(root)
+        self.listing = ListingSkips()
 
     def _groups(self) -> dict[str, list[tuple[str, str, int]]]:
         root = check_root(self.root)
         if not root.is_dir():
             raise SourceError(f"source {root} is not a directory")
         groups: dict[str, list[tuple[str, str, int]]] = {}
+        self.listing.skipped.clear()
         for rel, size in walk_files(root):
             stem, dot, field = rel.rpartition("/")[2].partition(".")
             if not dot or not stem or not field:
-                raise SourceError(f"cannot group {root / rel} into a sample: name it <key>.<field> (e.g. 0001.jpg)")
+                self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
+                                                  "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
+                continue
             members = groups.setdefault(_raw_key(rel), [])
             for other_field, other, _ in members:
                 if other_field == field.lower():  # x.JPG and x.jpg: one would overwrite the other
@@ -221,6 +225,7 @@ class FileListSource:
     def __init__(self, list_path: str | os.PathLike[str], path_column: str = "path") -> None:
         self.list_path = str(list_path)
         self.path_column = path_column
+        self.listing = ListingSkips()
 
     def _table(self) -> list[dict[str, Any]]:
         import pyarrow.csv as pacsv
@@ -240,15 +245,19 @@ class FileListSource:
     def list_items(self) -> list[SourceItem]:
         base = Path(self.list_path).parent
         items = []
+        self.listing.skipped.clear()
         for i, row in enumerate(self._table()):
             rel = row[self.path_column]
             if not rel:
-                raise SourceError(f"file list {self.list_path}: row {i} has an empty {self.path_column!r}")
+                self.listing.bad(f"{self.list_path}: row {i}",
+                                 f"file list {self.list_path}: row {i} has an empty {self.path_column!r}")
+                continue
             path = Path(rel) if os.path.isabs(rel) else base / rel
             try:
                 size = path.stat().st_size
-            except FileNotFoundError as exc:
-                raise SourceError(f"file list {self.list_path}: row {i}: {path} does not exist") from exc
+            except FileNotFoundError:
+                self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {path} does not exist")
+                continue
             raw_key = str(row.get("key") or Path(rel).with_suffix("").as_posix())
             items.append(SourceItem(ref=f"{i}:{path}", nbytes=size + 1536, key=safe_key(raw_key)))
         ensure_unique(items, self.list_path)
