@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from .batching import collate
 from .cache import ShardCache
 from .cachefs import write_replace
 from .codecs import make_decoder
-from .config import checked_cache_dir, parse_size
+from .config import checked_cache_dir, human_bytes, parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
@@ -39,6 +40,8 @@ from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, do
 from .ring import BatchRing, RingBatch
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
+
+log = logging.getLogger(__name__)
 
 try:  # torch is optional: without it the dataset is a plain iterable
     from torch.utils.data import IterableDataset as _IterableBase
@@ -251,7 +254,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if self.cache_dir is None:
             return ShardSource(self.ds, None, prefetch, max_open=window)
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
-        return ShardSource(self.ds, cache, prefetch, max_open=max(1, min(window, self._pin_budget(topo))))
+        budget = self._pin_budget(topo)
+        if budget < window and not _warned_small_cache:
+            _warn_small_cache(self.cache_limit, budget, window)
+        return ShardSource(self.ds, cache, prefetch, max_open=max(1, min(window, budget)))
 
     def _pin_budget(self, topo: Topology) -> int:
         """Shards one process may keep open. Every reading process on the node pins what it
@@ -628,6 +634,19 @@ class _Later(Sequence[Run]):
 
     def __iter__(self) -> Iterator[Run]:
         return iter(self._get())
+
+
+_warned_small_cache = False
+
+
+def _warn_small_cache(limit: int, budget: int, window: int) -> None:
+    # Works, within the limit, but shards leave the cache before their readers are done with
+    # them and come back: a cold epoch's traffic several times over, which users should hear of.
+    global _warned_small_cache
+    _warned_small_cache = True
+    log.warning("cache_limit %s leaves each reader room for %d open shard(s), fewer than the %d it reads ahead "
+                "(shuffle block + prefetch): shards may be fetched more than once per epoch; raise cache_limit",
+                human_bytes(limit), max(budget, 0) + 1, window)
 
 
 def _local_world(topo: Topology) -> int:

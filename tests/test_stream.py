@@ -400,3 +400,21 @@ def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path
         got = {x["__key__"]: bytes(x["bin"]) for x in StreamingDataset(url, cache_dir=tmp_path / "cache")}
     assert got == {f"k{i}": bytes([i + 1]) * 500 for i in range(20)}
     assert "corrupt" not in caplog.text
+
+
+def test_a_cache_too_small_for_the_read_ahead_is_warned_about_once(local_ds: tuple[str, dict[str, bytes]],
+                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from shardkit import dataset
+
+    url, content = local_ds
+    monkeypatch.setattr(dataset, "_warned_small_cache", False)
+    biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    with caplog.at_level("WARNING", logger="shardkit"):
+        ok = StreamingDataset(url, cache_dir=tmp_path / "big", shuffle=True)
+        assert len(keys_of(ok)) == N
+        assert "cache_limit" not in caplog.text  # the default limit: room for everything
+        small = StreamingDataset(url, cache_dir=tmp_path / "small", cache_limit=3 * biggest, shuffle=True)
+        assert sorted(keys_of(small)) == sorted(content)  # still works, within the limit
+        assert sorted(keys_of(small)) == sorted(content)
+    assert caplog.text.count("fetched more than once per epoch") == 1
