@@ -9,8 +9,11 @@ import tarfile
 import fsspec
 import pytest
 
+import shardkit
+
 from shardkit.errors import SourceError, SourceNotFoundError, UnsafeTarError
 from shardkit.sample import StreamedField, safe_key
+from shardkit.sources import resolve_source
 from shardkit.sources import wds as wdsmod
 from shardkit.sources.wds import WdsTarSource
 from shardkit.tarscan import group_members, scan_tar, split_name
@@ -224,6 +227,20 @@ def test_memory_fs_glob_and_dir():
             assert items[0].ref.startswith("memory://") and "/wdstest/a/s-000.tar#512:" in items[0].ref
     finally:
         fs.rm("/wdstest", recursive=True)
+
+
+def test_brace_urls_as_webdataset_writes_them(tmp_path):
+    for i, members in enumerate((SAMPLES, [("q.txt", b"q")], [("r.txt", b"r")])):
+        (tmp_path / f"part-{i:03d}.tar").write_bytes(tar_bytes(members))
+    url = str(tmp_path / "part-{000..001}.tar")  # part-002 left out by the range
+    src = resolve_source(url)
+    assert isinstance(src, WdsTarSource) and [u for u, _ in src.tars()] == [
+        str(tmp_path / "part-000.tar"), str(tmp_path / "part-001.tar")]
+    _check_roundtrip(src, {**EXPECTED, "q": {"txt": b"q"}})
+    info = shardkit.pack(url, str(tmp_path / "ds"), progress=False)
+    assert info["num_samples"] == len(EXPECTED) + 1
+    with pytest.raises(SourceNotFoundError, match="part-006.tar"):  # the first missing one
+        WdsTarSource(str(tmp_path / "part-{006..007}.tar")).tars()
 
 
 def test_large_samples_stream(tmp_path, monkeypatch):

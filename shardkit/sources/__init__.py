@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from .files import FileListSource, FolderSource, ImageFolderSource
 __all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "resolve_source"]
 
 _HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+_BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
@@ -28,6 +30,9 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     if not isinstance(source, (str, os.PathLike)):
         raise SourceError(f"unsupported source {type(source).__name__}: pass a path, URL, Source or iterable of dicts")
     text = str(source)
+    if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
+        from .wds import WdsTarSource
+        return WdsTarSource(text, storage_options=storage_options)
     if "://" in text and not text.startswith("file://"):
         if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
             from .wds import WdsTarSource

@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterator, Mapping, Sequence, Union
 
 import fsspec
+from braceexpand import braceexpand  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem
 
 from ..chunks import CHUNK_BYTES, iter_exact
@@ -67,10 +68,9 @@ class WdsTarSource:
     """
 
     def __init__(self, urls_or_dir: PathLike | Sequence[PathLike], storage_options: Mapping[str, Any] | None = None) -> None:
-        if isinstance(urls_or_dir, (str, os.PathLike)):
-            self.urls: list[str] = [os.fspath(urls_or_dir)]
-        else:
-            self.urls = [os.fspath(u) for u in urls_or_dir]
+        given = [urls_or_dir] if isinstance(urls_or_dir, (str, os.PathLike)) else list(urls_or_dir)
+        # WebDataset's brace notation: shards-{000000..000099}.tar, {train,val}/*.tar
+        self.urls: list[str] = [u for url in given for u in braceexpand(os.fspath(url))]
         if not self.urls:
             raise SourceError("WdsTarSource: no tar URLs given")
         self.storage_options = dict(storage_options) if storage_options else None
