@@ -189,6 +189,19 @@ def test_on_error_skip_leaves_out_what_listing_cannot_use(tmp_path: Path) -> Non
     assert info["num_samples"] == n and len(info["skipped"]) == 1 and "missing.bin" in info["skipped"][0]["reason"]
 
 
+def test_imagefolder_says_which_images_it_leaves_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from PIL import Image
+
+    src = tmp_path / "src"
+    (src / "cat").mkdir(parents=True)
+    for name in ("cat/a.png", "cat/b.png", "loose.png"):
+        Image.new("RGB", (4, 4)).save(src / name)
+    with caplog.at_level("WARNING", logger="shardkit"):
+        info = shardkit.pack(str(src), str(tmp_path / "ds"), labels_from_dirs=True, progress=False)
+    assert info["num_samples"] == 2
+    assert "1 image(s) directly under" in caplog.text and "loose.png" in caplog.text
+
+
 def test_duplicate_keys_in_iterable(tmp_path: Path) -> None:
     items = [{"__key__": k, "txt": f"v{i}"} for i, k in enumerate(["a", "b", "c", "b"])]
     with pytest.raises(SourceError) as err:

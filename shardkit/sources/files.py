@@ -7,6 +7,7 @@ work by bytes; data is read inside pack tasks. Large files stream into the tar i
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,6 +15,8 @@ from typing import Any, Iterator
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, safe_key
 from .base import ListingSkips, SourceItem
+
+log = logging.getLogger(__name__)
 
 STREAM_THRESHOLD = 16 * 2**20
 _CHUNK = 8 * 2**20
@@ -188,6 +191,11 @@ class ImageFolderSource:
 
     def list_items(self) -> list[SourceItem]:
         root = Path(self.root)
+        loose = [e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith(".")
+                 and Path(e.name).suffix.lower() in IMAGE_SUFFIXES]
+        if loose:  # as torchvision's ImageFolder, but said out loud: they are not packed
+            log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
+                        "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
         items = []
         for cls in self.classes():
             for rel, size in walk_files(root / cls):
