@@ -276,6 +276,9 @@ class Store:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  fs: fsspec.AbstractFileSystem | None = None) -> None:
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme in ("s3", "s3a", "gs", "gcs") and not rest.strip("/"):
+            raise ConfigError(f"{url!r}: no bucket in the URL (expected {scheme}://bucket/prefix)")
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.storage_options = dict(storage_options or {})
         self._fs = fs

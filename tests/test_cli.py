@@ -238,6 +238,11 @@ def test_destination_without_dataset_json(source: Path, tmp_path: Path, backend:
     empty = f"{url}-never-packed"
     with pytest.raises(DatasetNotFoundError, match="dataset.json"):
         shardkit.open_dataset(empty, storage_options=so)
+    if backend == "s3":  # no such bucket: said so
+        with pytest.raises(DatasetNotFoundError, match="bucket 'no-such-bucket-shardkit' does not exist"):
+            shardkit.open_dataset("s3://no-such-bucket-shardkit/ds", storage_options=so)
+        with pytest.raises(shardkit.errors.ConfigError, match="no bucket"):
+            shardkit.open_dataset("s3://", storage_options=so)
 
 
 # --------------------------------------------------------------------------- bench
