@@ -9,6 +9,7 @@ the caller reads those two shards' keys back to tell a real repeat from a hash c
 from __future__ import annotations
 
 from array import array
+
 import numpy as np
 import xxhash
 
@@ -20,6 +21,8 @@ def key_hash(key: str) -> int:
 
 
 class KeyLedger:
+    """Keys as they are seen (:meth:`add`), then :meth:`suspects`."""
+
     def __init__(self) -> None:
         self._hashes = array("Q")
         self._shards = array("I")
