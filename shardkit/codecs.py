@@ -39,6 +39,8 @@ def npy_view(buf: memoryview | bytes, writable: bool = False) -> np.ndarray:
     count = int(np.prod(shape)) if shape else 1
     arr = np.frombuffer(view, dtype=dtype, count=count, offset=bio.tell())
     arr = arr.reshape(shape, order="F" if fortran else "C")
+    if not arr.dtype.isnative:  # big-endian (HDF5, FITS): torch takes only native byte order
+        return arr.astype(arr.dtype.newbyteorder("="))
     if writable and not arr.flags.writeable:
         arr = arr.copy()
     return arr

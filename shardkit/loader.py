@@ -11,7 +11,8 @@ import multiprocessing
 import os
 from typing import Any, Iterator
 
-from torch.utils.data import DataLoader
+import numpy as np
+from torch.utils.data import DataLoader, default_convert
 
 from .bufpool import BufferPool
 from .dataset import StreamingDataset, _to_torch
@@ -68,6 +69,11 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             # The dataset's batches are already tensors: DataLoader's default_convert would only
             # walk every key of every batch again (~2 ms per batch of 256).
             kwargs.setdefault("collate_fn", _as_is)
+        elif batch_size is None:
+            # Single samples: decoded arrays may be read-only views of the mapped cache file,
+            # and a tensor over them crashes the process (SIGSEGV) when written in place (in a
+            # worker, torch warns of exactly that before the tensor is pickled).
+            kwargs.setdefault("collate_fn", _convert_writable)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
         dataset.loader_workers = self.num_workers
         self._ring_bytes = self._ring_slot_bytes(dataset)
@@ -181,6 +187,24 @@ def _spare_ring(ring: BatchRing) -> None:
 
 def _as_is(batch: Any) -> Any:
     return batch
+
+
+def _convert_writable(sample: Any) -> Any:
+    """torch's default_convert, copying read-only numpy arrays first."""
+    return default_convert(_writable(sample))
+
+
+def _writable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value if value.flags.writeable else value.copy()
+    if isinstance(value, dict):
+        return {k: _writable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_writable(v) for v in value]
+    if isinstance(value, tuple):
+        items = [_writable(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    return value
 
 
 def _count(batch: Any) -> int | None:

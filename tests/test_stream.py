@@ -418,3 +418,35 @@ def test_a_cache_too_small_for_the_read_ahead_is_warned_about_once(local_ds: tup
         assert sorted(keys_of(small)) == sorted(content)  # still works, within the limit
         assert sorted(keys_of(small)) == sorted(content)
     assert caplog.text.count("fetched more than once per epoch") == 1
+
+
+def test_decoded_arrays_are_safe_to_write_and_in_native_byte_order(tmp_path: Path) -> None:
+    # Single samples from the main process were tensors over the read-only map of the cached
+    # file: an in-place op (x.mul_(2)) killed the process with SIGSEGV. Big-endian .npy arrays
+    # (HDF5, FITS) failed in torch's conversion. Run in a child: a crash must fail the test,
+    # not the suite.
+    import subprocess
+    import sys
+
+    script = tmp_path / "inplace.py"
+    script.write_text(f"""
+import io, numpy as np, shardkit
+arrs = [np.arange(1000, dtype=">f8") * i for i in range(3)] + [np.arange(1000, dtype="<f4") * i for i in range(3)]
+def npy(a):
+    b = io.BytesIO(); np.save(b, a); return b.getvalue()
+url, cache = {str(tmp_path / "ds")!r}, {str(tmp_path / "cache")!r}
+shardkit.pack([{{"__key__": f"k{{i}}", "npy": npy(a)}} for i, a in enumerate(arrs)], url, progress=False)
+for workers in (0, 2):
+    got = {{}}
+    for s in shardkit.StreamingDataLoader(shardkit.StreamingDataset(url, cache_dir=cache, decode="numpy"),
+                                          num_workers=workers):
+        s["npy"].mul_(2)
+        got[s["__key__"]] = s["npy"].numpy().copy()
+    assert all(np.array_equal(got[f"k{{i}}"], 2 * a) for i, a in enumerate(arrs)), workers
+    again = {{s["__key__"]: s["npy"] for s in shardkit.StreamingDataset(url, cache_dir=cache, decode="numpy")}}
+    assert all(np.array_equal(again[f"k{{i}}"], a) for i, a in enumerate(arrs))  # the cache file is untouched
+print("ok")
+""")
+    r = subprocess.run([sys.executable, "-W", "error::UserWarning", str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
