@@ -431,3 +431,32 @@ def test_hdf5_array_and_enum_types(tmp_path):
                 expected = saved(f[what][()] if mode == "datasets" else f["arr"][int(what.strip("[]"))])
                 (value,) = src.load(it).fields.values()
                 assert body(value) == expected, it.ref
+
+
+@pytest.mark.parametrize("kind", ["h5", "npy", "folder"])
+def test_relative_source_paths_load_from_any_working_directory(tmp_path, monkeypatch, kind):
+    # A Ray task on an existing cluster runs in another working directory than the driver:
+    # a source resolved from a relative path must still find its files there.
+    from shardkit.sources import resolve_source
+
+    data = tmp_path / "data"
+    data.mkdir()
+    if kind == "h5":
+        h5py = pytest.importorskip("h5py")
+        with h5py.File(data / "vol.h5", "w") as f:
+            f["a"] = np.arange(12, dtype=np.float32)
+        rel = "data/vol.h5"
+    elif kind == "npy":
+        np.save(data / "a.npy", np.arange(5))
+        rel = "data"
+    else:
+        (data / "k.txt").write_bytes(b"text")
+        rel = "data"
+    monkeypatch.chdir(tmp_path)
+    src = resolve_source(rel)
+    items = src.list_items()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # as a task on another node
+    task_src = pickle.loads(pickle.dumps(src))
+    sample = task_src.load(items[0])
+    assert sample.fields, sample

@@ -38,7 +38,8 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
             from .wds import WdsTarSource
             return WdsTarSource(text, storage_options=storage_options)
         raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
-    path = Path(text[len("file://"):] if text.startswith("file://") else text)
+    # Absolute: Ray tasks on an existing cluster run in another working directory.
+    path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
     if not path.exists():
         raise SourceNotFoundError(f"source {path} does not exist")
     suffix = path.suffix.lower()
