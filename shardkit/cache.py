@@ -56,6 +56,7 @@ __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_
 log = logging.getLogger(__name__)
 
 _POLL = 0.05
+WAIT_NOTE_SECONDS = 30.0  # a reader blocked on a full cache says so this often (until wait_timeout)
 MAX_AT_ONCE = 8  # downloads one process's prefetch runs at once, at most
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
@@ -549,6 +550,7 @@ class ShardCache:
         Waits (polling) while readers pin the space; a prefetch returns None instead.
         """
         t0 = time.monotonic()
+        next_note = t0 + WAIT_NOTE_SECONDS
         try:
             while True:
                 with self._global():
@@ -575,6 +577,12 @@ class ShardCache:
                         f"hold {fmt_bytes(sum(e.size for e in pinned))} and {len(flight)} downloads in flight "
                         f"reserve {fmt_bytes(sum(e.size for e in flight))}; need {fmt_bytes(ref.size)} for {ref.name} "
                         f"(waited {waited:.1f} s in {self._root})")
+                if time.monotonic() >= next_note:  # a reader paused or slow elsewhere on the node: say so
+                    next_note += WAIT_NOTE_SECONDS
+                    log.warning("cache: %s waits %.0f s for room in %s: readers on this node keep %d shards "
+                                "open (a paused or stopped process?); CacheFullError after %.0f s",
+                                ref.name, waited, self._root, sum(1 for e in blockers or [] if not e.temp),
+                                self._wait_timeout)
                 time.sleep(_POLL)
         finally:
             if time.monotonic() - t0 >= _POLL:  # count waiting, not the usual quick pass

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 import pytest
 import xxhash
 
+from shardkit import cache as cache_mod
 from shardkit.cache import CacheFullError, ShardCache, ShardRef
 from shardkit.errors import ConfigError, IntegrityError, ShardkitError
 
@@ -400,7 +401,8 @@ def test_limit_holds_with_four_processes(tmp_path: Path) -> None:
     assert sum(st["hits"] + st["misses"] for st in stats) == 4 * 16
 
 
-def test_pinned_shards_are_never_evicted(tmp_path: Path) -> None:
+def test_pinned_shards_are_never_evicted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
     s = make_store(tmp_path, [1 * MB] * 4)
     x, y, z, w = s.refs
     limit = int(2.5 * MB)
@@ -426,8 +428,11 @@ def test_pinned_shards_are_never_evicted(tmp_path: Path) -> None:
                 # the holder lets go of x while we wait: the open goes through
                 threading.Timer(0.5, release.set).start()
                 waiter = s.cache(limit, wait_timeout=20)
-                assert read_ok(waiter, w, s.remote, s.remote)
+                monkeypatch.setattr(cache_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
+                with caplog.at_level("WARNING", logger="shardkit.cache"):
+                    assert read_ok(waiter, w, s.remote, s.remote)
                 assert waiter.stats()["wait_seconds"] >= 0.3
+                assert f"{w.name} waits" in caplog.text and "keep 2 shards open" in caplog.text
                 assert s.cached() == {z.name, w.name}
     finally:
         release.set()
