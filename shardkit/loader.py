@@ -115,6 +115,9 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._consumed = 0
+        # torch remembers the length of the last len(loader) call and warns when an epoch
+        # yields more; after a resumed (shorter) epoch that is every later epoch's every batch.
+        self._IterableDataset_len_called = None
         dataset: StreamingDataset = self.dataset  # type: ignore[assignment]
         forks = self.num_workers > 0 and (self._iterator is None or not self.persistent_workers)
         if self._use_ring and forks and (self._ring is None or not self._ring_clean):

@@ -450,3 +450,27 @@ print("ok")
     r = subprocess.run([sys.executable, "-W", "error::UserWarning", str(script)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_no_stale_length_warnings_after_a_resumed_epoch(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    # len(loader) after a resumed (shorter) epoch made torch warn on every batch of the next
+    # epoch that "more samples have been fetched" than the stale length (examples/ddp_train.py
+    # prints len(loader) after each epoch).
+    import warnings
+
+    url, _ = local_ds
+    first = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True, batch_size=32), num_workers=2)
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    del it
+    ds = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, batch_size=32)
+    loader = StreamingDataLoader(ds, num_workers=2)
+    loader.load_state_dict(state)
+    assert sum(1 for _ in loader) == len(loader) == -(-(N - 160) // 32)
+    ds.set_epoch(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sum(1 for _ in loader) == len(loader) == -(-N // 32)
+    assert not [w for w in caught if "Length of IterableDataset" in str(w.message)]
