@@ -95,6 +95,9 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         raise StorageError(f"cannot open {url}: {exc}") from exc
 
 
+_PARENTS_FILESYSTEMS: list[fsspec.AbstractFileSystem] = []  # a forked child's inherited ones (Store.fs)
+
+
 def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
     """A fresh instance of ``fs`` (same class and arguments) for a forked process.
 
@@ -306,6 +309,10 @@ class Store:
         elif self._fs_pid != os.getpid():
             # s3fs filesystems are not fork-safe (event loop and sessions belong to the parent):
             # a Store used before a fork (DataLoader workers) reopens its filesystem in the child.
+            # The parent's instance is kept, never collected here: collecting it would close its
+            # aiobotocore session on the parent's loop, which prints "Task exception was never
+            # retrieved ... attached to a different loop" tracebacks in every worker.
+            _PARENTS_FILESYSTEMS.append(self._fs)
             self._fs = reopen_fs(self._fs)
             self._fs_pid = os.getpid()
         return self._fs

@@ -269,3 +269,25 @@ def test_ray_tasks_read_s3_tars_where_the_driver_does(monkeypatch: pytest.Monkey
     assert for_tasks(local) is local
     folder = FolderSource(tmp_path)
     assert for_tasks(folder) is folder
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(180)
+def test_dataloader_workers_print_no_event_loop_tracebacks(s3_server: S3Server, s3_bucket: str, tmp_path: Any) -> None:
+    # Forked workers inherit the parent's s3fs instance; collected there, it closed its
+    # aiobotocore session on the parent's loop: "Task exception was never retrieved ...
+    # attached to a different loop", twice per run, on a dataset read cold without a cache.
+    import subprocess
+    import sys
+
+    import shardkit
+
+    url = f"{s3_bucket}/ds"
+    shardkit.pack([{"__key__": f"k{i}", "bin": bytes([i]) * 3000} for i in range(200)], url, shard_bytes="100KB",
+                  storage_options=s3_server.storage_options(), progress=False)
+    code = (f"import shardkit; loader = shardkit.StreamingDataLoader(shardkit.StreamingDataset({url!r}, batch_size=16), "
+            "num_workers=2); print(sum(len(b['__key__']) for b in loader))")
+    env = {**os.environ, **s3_server.env(), "TMPDIR": str(tmp_path)}  # cold manifest copies
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150)
+    assert r.returncode == 0 and r.stdout.split() == ["200"], r.stderr[-2000:]
+    assert "different loop" not in r.stderr and "Task exception" not in r.stderr, r.stderr[-2000:]
