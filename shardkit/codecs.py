@@ -123,12 +123,18 @@ class CenterCrop:
     ``draft``: libjpeg scales during decode), which cuts decode time several-fold; when the
     scaled decode lands on the target exactly, no resize runs at all. Picklable, so it can be
     passed as ``decode=`` into DataLoader workers.
+
+    ``field``: the image field to decode (default: the sample's first image field).
+    ``as_field``: the name the pixels go under (default: the image field's own), so that a
+    dataset mixing ``.jpg`` and ``.png`` batches into one ``[B, size, size, 3]`` array.
     """
 
-    def __init__(self, size: int = 224, resize: int | None = None, field: str | None = None) -> None:
+    def __init__(self, size: int = 224, resize: int | None = None, field: str | None = None,
+                 as_field: str | None = None) -> None:
         self.size = size
         self.resize = resize or round(size * 256 / 224)
         self.field = field
+        self.as_field = as_field
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         from PIL import Image
@@ -147,7 +153,9 @@ class CenterCrop:
             w, h = img.size
         left, top = (w - self.size) // 2, (h - self.size) // 2
         out = dict(sample)
-        out[name] = np.asarray(img.crop((left, top, left + self.size, top + self.size)))
+        if self.as_field is not None:
+            del out[name]
+        out[self.as_field or name] = np.asarray(img.crop((left, top, left + self.size, top + self.size)))
         for k, v in sample.items():
             if _ext(k) in ("cls", "cls2", "index", "label") and isinstance(v, (bytes, memoryview)):
                 out[k] = int(bytes(v))

@@ -124,3 +124,29 @@ def test_on_error_raise_is_default_and_names_the_path(tmp_path, capsys):
     assert "dog/2.jpg" in err and "not a readable image" in err
     assert err.count("\n") == 1  # one line, no traceback
     assert not (tmp_path / "ds" / "dataset.json").exists()
+
+
+def test_center_crop_batches_mixed_image_types_under_one_name(tmp_path):
+    # ImageFolder of .jpg and .png: without as_field each keeps its own field (lists with None
+    # gaps in a batch); with as_field every image lands in one [B, size, size, 3] array.
+    from PIL import Image
+
+    import shardkit
+
+    src = tmp_path / "src"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+        for i in range(3):
+            img = Image.new("RGB", (40 + 10 * i, 60), (10 * i, 100, 200 if cls == "a" else 0))
+            img.save(src / cls / f"{i}.{'jpg' if i % 2 else 'png'}")
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(src), url, labels_from_dirs=True, progress=False)
+    mixed = next(iter(shardkit.StreamingDataset(url, decode=shardkit.CenterCrop(32), batch_size=6)))
+    assert isinstance(mixed["jpg"], list) and any(x is None for x in mixed["jpg"])
+    assert any(x is None for x in mixed["png"])
+    batch = next(iter(shardkit.StreamingDataset(url, decode=shardkit.CenterCrop(32, as_field="image"), batch_size=6)))
+    assert "jpg" not in batch and "png" not in batch
+    image = np.asarray(batch["image"])  # a tensor where torch is installed
+    assert image.shape == (6, 32, 32, 3) and image.dtype == np.uint8
+    assert sorted(np.asarray(batch["cls"]).tolist()) == [0, 0, 0, 1, 1, 1]
+    assert (np.abs(image[:, 16, 16, 1].astype(int) - 100) <= 2).all()  # the middle pixel's green (JPEG: near)
