@@ -255,7 +255,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             return ShardSource(self.ds, None, prefetch, max_open=window)
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
         budget = self._pin_budget(topo)
-        if budget < window and not _warned_small_cache:
+        fits = sum(i.bytes for i in self.ds.shard_list) <= self.cache_limit  # then nothing is fetched twice
+        if budget < window and not fits and not _warned_small_cache:
             _warn_small_cache(self.cache_limit, budget, window)
         return ShardSource(self.ds, cache, prefetch, max_open=max(1, min(window, budget)))
 
@@ -645,7 +646,7 @@ def _warn_small_cache(limit: int, budget: int, window: int) -> None:
     global _warned_small_cache
     _warned_small_cache = True
     log.warning("cache_limit %s leaves each reader room for %d open shard(s), fewer than the %d it reads ahead "
-                "(shuffle block + prefetch): shards may be fetched more than once per epoch; raise cache_limit",
+                "(shuffle block + prefetch): shards may be fetched many times per epoch; raise cache_limit",
                 human_bytes(limit), max(budget, 0) + 1, window)
 
 
