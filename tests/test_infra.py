@@ -144,7 +144,9 @@ def test_docker_compose_wiring() -> None:
     assert "--head" in head and "--port=6379" in head and "--block" in head
     assert services["ray-head"]["ports"] == ["127.0.0.1:8265:8265"]
     assert "--address=ray-head:6379" in " ".join(services["ray-worker"]["command"])
-    assert "ray-head" in services["ray-worker"]["depends_on"]
+    # The worker waits for a healthy head (it exited for good when it started first) and rejoins.
+    assert services["ray-worker"]["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    assert "ray" in services["ray-head"]["healthcheck"]["test"] and services["ray-worker"]["restart"] == "on-failure"
 
 
 def test_docker_compose_config_validates() -> None:
