@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .config import human_bytes
-from .errors import ConfigError, ShardkitError, SourceNotFoundError
+from .errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
 
 
 def _print_json(obj: Any) -> None:
@@ -206,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the contract: one line on stderr, a traceback only with --debug
         if args.debug:
             raise
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"shardkit: error: {type(exc).__name__}: {text} (--debug shows where)", file=sys.stderr)
+        print(f"shardkit: error: {type(exc).__name__}: {first_line(exc)} (--debug shows where)", file=sys.stderr)
         return 1
 
 

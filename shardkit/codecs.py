@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ConfigError, DecodeError, IntegrityError, ShardkitError
+from .errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
 TEXT_EXTS = frozenset({"txt", "text", "transcript"})
@@ -110,9 +110,8 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
 
 def _failed(sample: dict[str, Any], what: str, exc: Exception) -> DecodeError:
     """One line naming the sample and its shard: in 20 M samples, which one is bad."""
-    detail = str(exc).splitlines()[0] if str(exc) else ""
     return DecodeError(f"sample {sample.get('__key__')!r} in {sample.get('__shard__')}: {what}: "
-                       f"{type(exc).__name__}: {detail}")
+                       f"{type(exc).__name__}: {first_line(exc)}")
 
 
 class CenterCrop:

@@ -59,3 +59,9 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class CacheFullError(ShardkitError, TimeoutError):
     """Readers pin so much of the node cache that the next shard cannot fit within its limit."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message ("" if it has none): one-line errors quote it."""
+    text = str(exc)
+    return text.splitlines()[0] if text.strip() else ""

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import __version__
-from .errors import ManifestError
+from .errors import ManifestError, first_line
 from .storage import Store
 from .writer import SampleRows, ShardRecord
 
@@ -67,7 +67,7 @@ def parquet_file(data: bytes, name: str = "manifest") -> pq.ParquetFile:
     try:
         return pq.ParquetFile(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as exc:
-        raise ManifestError(f"{name} is not a readable Parquet file ({str(exc).splitlines()[0]})") from exc
+        raise ManifestError(f"{name} is not a readable Parquet file ({first_line(exc)})") from exc
 
 
 def fragment_name(task: int) -> str:
@@ -218,7 +218,7 @@ def read_shards(store: Store) -> pa.Table:
     try:
         table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
     except (pa.ArrowException, OSError) as exc:
-        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({str(exc).splitlines()[0]})") from exc
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({first_line(exc)})") from exc
     missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
     if missing:
         raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .cachefs import file_name, write_replace
-from .errors import IntegrityError, ManifestError
+from .errors import IntegrityError, ManifestError, first_line
 from .manifest import parquet_file, read_info, read_shards
 from .storage import Store
 
@@ -263,7 +263,7 @@ class Dataset:
                                                                          use_threads=False)
             except (pa.ArrowException, OSError) as exc:
                 raise ManifestError(f"{self.store.url_of(info.samples_file)}: rows of shard {shard} are unreadable "
-                                    f"({str(exc).splitlines()[0]})") from exc
+                                    f"({first_line(exc)})") from exc
         else:  # a manifest without the row-group columns: filter the fragments
             table = self.samples.filter(pc.equal(self.samples.column("shard"), shard))
             if columns is not None:

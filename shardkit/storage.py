@@ -27,6 +27,7 @@ from .errors import (
     ShardkitError,
     StorageError,
     StoragePermissionError,
+    first_line,
 )
 
 T = TypeVar("T")
@@ -162,7 +163,7 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
     if isinstance(exc, ShardkitError):
         return exc
     name = type(exc).__name__
-    text = str(exc).splitlines()[0] if str(exc) else name
+    text = first_line(exc) or name
     code = _error_code(exc)
     if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
         return StorageError(f"{what} not found at {where} ({code})")
