@@ -195,10 +195,11 @@ def read_info(store: Store) -> dict[str, Any]:
     from .errors import DatasetNotFoundError
 
     if not store.exists(DATASET_JSON):
-        bucket = store.bucket_key("")[0]
-        if store.is_object_store and not store.call(lambda: store.fs.exists(bucket), bucket):
-            raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: bucket {bucket!r} does not exist "
-                                       f"at {store.where}")
+        if store.is_object_store:
+            bucket = store.bucket_key("")[0]
+            if not store.call(lambda: store.fs.exists(bucket), bucket):
+                raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: bucket {bucket!r} does not exist "
+                                           f"at {store.where}")
         hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
         raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
     raw = store.read_bytes(DATASET_JSON)

@@ -199,7 +199,7 @@ def _claim(store: Store, plan_id: str, overwrite: bool, settings: dict[str, Any]
     if other == plan_id:
         return  # a rerun of the same pack: resume
     if not overwrite:
-        then = json.loads(json.dumps(claim.get("settings"), default=str)) if claim.get("settings") else None
+        then = claim.get("settings")  # read back from JSON, as `now` is made comparable
         now = json.loads(json.dumps(settings, default=str))
         if then is None:
             what = "input or settings"

@@ -114,17 +114,18 @@ class FolderSource:
         groups: dict[str, list[tuple[str, str, int]]] = {}
         self.listing.skipped.clear()
         for rel, size in walk_files(root):
-            stem, dot, field = rel.rpartition("/")[2].partition(".")
+            stem, dot, _ = rel.rpartition("/")[2].partition(".")
+            field = _field(rel)
             if not dot or not stem or not field:
                 self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
                                                   "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
                 continue
             members = groups.setdefault(_raw_key(rel), [])
             for other_field, other, _ in members:
-                if other_field == field.lower():  # x.JPG and x.jpg: one would overwrite the other
+                if other_field == field:  # x.JPG and x.jpg: one would overwrite the other
                     raise SourceError(f"{root / other} and {root / rel} are both field {other_field!r} of sample "
                                       f"{_raw_key(rel)!r} (field names are lowercased); rename one")
-            members.append((field.lower(), rel, size))
+            members.append((field, rel, size))
         if not groups:
             raise SourceError(f"source {root} holds no files")
         return groups
@@ -143,9 +144,8 @@ class FolderSource:
         fields: dict[str, FieldValue] = {}
         first = None
         for rel in json.loads(item.ref):
-            field = rel.rpartition("/")[2].partition(".")[2].lower()  # as _groups named it
             first = first or rel
-            fields[field] = read_field(root / rel)
+            fields[_field(rel)] = read_field(root / rel)
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
@@ -159,6 +159,11 @@ def _text(name: str) -> str:
     """A file name as valid UTF-8 for the manifest: undecodable bytes (surrogate-escaped by
     ``os.scandir``) become U+FFFD; Arrow refuses lone surrogates."""
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _field(rel: str) -> str:
+    """``dir/a.Seg.PNG`` -> ``seg.png``: the (lowercased) WebDataset field of a relative path."""
+    return rel.rpartition("/")[2].partition(".")[2].lower()
 
 
 def _raw_key(rel: str) -> str:
