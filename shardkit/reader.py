@@ -339,14 +339,18 @@ class Dataset:
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
 
     def _verify_shard(self, info: ShardInfo, deep: bool) -> None:
+        # Deep: the bytes read give the size (no HEAD besides); the size is checked first, so a
+        # truncated shard is named as such, not by its first sample past the end.
+        data = b""
         try:
-            size = self.store.size(info.path)
+            if deep:
+                data = self.store.read_bytes(info.path)
+            size = len(data) if deep else self.store.size(info.path)
         except Exception as exc:  # noqa: BLE001 - a missing shard is an integrity failure
             raise IntegrityError(f"shard {info.shard} ({info.path}) is missing or unreadable: {exc}") from exc
         if size != info.bytes:
             raise IntegrityError(f"shard {info.shard} ({info.path}) is {size} bytes, manifest says {info.bytes}")
         if deep:
-            data = self.store.read_bytes(info.path)
             rows = self.shard_rows(info.shard)
             view = memoryview(data)
             for i in range(len(rows)):
