@@ -38,6 +38,7 @@ from .keptmaps import keep_budget
 from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
                        prepare, view_batch)
 from .ring import BatchRing, RingBatch
+from .segments import SegmentPlanner
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import Topology, current
 
@@ -68,7 +69,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     Args:
         url: dataset root (``s3://bucket/ds``, a local path, ...).
         cache_dir: node-local cache directory shared by all ranks/workers of the node;
-            ``None`` streams shards without caching (ranged reads, read-ahead).
+            ``None`` streams without caching: each reader fetches only segments (~64 MiB) of
+            the byte ranges its own samples occupy, reads them ahead, and holds the segments
+            in use (with ``shuffle``, those of a shuffle block's shards). Shuffled small
+            samples split over DataLoader workers are the exception: each worker fetches
+            most of every shard (a warning says so); a cache fetches each shard once per node.
         cache_limit: bound on the cache size (``"200GB"``), held at all times.
         shuffle: shuffle shard order and samples within blocks of ``shuffle_block`` shards,
             differently each epoch, reproducibly from ``seed``.
@@ -78,7 +83,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             padded to ceil(N/W) by repeating samples from the start of the epoch.
         loader_batch_size: the DataLoader's batch size when it batches (not ``batch_size``):
             workers then take turns in whole batches, so resume is exact.
-        prefetch: shards (or spans) fetched ahead of need per worker, downloaded at once;
+        prefetch: shards (without a cache: ~64 MiB segments) fetched ahead of need per worker, at once;
             default 4 when the stream is read in one process (``num_workers=0``), else 2.
         read_threads: threads that fill raw batches from the node cache ahead of the training
             loop when the stream is read in the process that owns it (DataLoader
@@ -252,7 +257,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         prefetch = self._prefetch(topo)
         window = self.shuffle_block + prefetch if self.shuffle else 2
         if self.cache_dir is None:
-            return ShardSource(self.ds, None, prefetch, max_open=window)
+            source = ShardSource(self.ds, None, prefetch, max_open=window)
+            source.verify = self.verify
+            return source
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
         budget = self._pin_budget(topo)
         fits = sum(i.bytes for i in self.ds.shard_list) <= self.cache_limit  # then nothing is fetched twice
@@ -307,7 +314,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         try:
             sched = schedule_shards(order, ranges)
             source.plan(sched)
-            runs = _Lookahead(worker_schedule(order, ranges), _LOOKAHEAD, source, sched)
+            planned = worker_schedule(order, ranges)
+            if source.cache is None:  # read only the segments of shards this reader needs
+                source.segment_plan = SegmentPlanner(order, ranges, source.rows)
+                planned = source.segment_plan.split(planned)
+            runs = _Lookahead(planned, _LOOKAHEAD, source, sched)
             if self.batch_size is None:
                 for s in self._samples(source, runs):
                     if in_main:
@@ -352,10 +363,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             i = 0
             while i < len(todo):
                 held = source.get(shard, positions[i:], runs.buf)
-                view, base, check = held.view, held.base, held.verify and self.verify
+                view, base = held.view, held.base
                 stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
                 for p in todo[i:stop]:
-                    sample = decoder(sample_dict(view, base, rows, p, first + p, path, verify=check))
+                    sample = decoder(sample_dict(view, base, rows, p, first + p, path, verify=False))
                     n += 1
                     if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
                         if isinstance(sample, dict):  # raw fields: copies, not views of what we unpin
@@ -420,7 +431,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             for pieces, carry, n in self._batch_pieces(runs):
                 plan = plan_batch(source, pieces, first_sample)
                 window = _Later(pieces, 0, carry, runs)
-                batch = (view_batch(source, plan, window, self.verify, opened=warm) if plan is not None
+                batch = (view_batch(source, plan, window, opened=warm) if plan is not None
                          else self._ragged_views(source, pieces, carry, runs))
                 if self._tight:
                     source.release_all()  # the views keep their maps; only the pins go
@@ -483,7 +494,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     yield _to_torch(self._build_slow(source, pieces, carry, runs))
                     self._tick(source, n)
                     continue
-                copies = list(prepare(source, plan, _Later(pieces, 0, carry, runs), self.verify))
+                copies = list(prepare(source, plan, _Later(pieces, 0, carry, runs)))
                 outs = [_BATCH_BUFFERS.take(nbytes) for nbytes in field_bytes(plan)]
                 pending.append((pool.submit(copy_into, copies, outs), plan, outs, copies, n))
                 del outs  # the pool sees a buffer as free once only the batch refers to it
@@ -513,13 +524,13 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 ring.release(slot)  # an unusually large batch: send it the ordinary way
             if slot is not None and outs is not None:
                 try:
-                    batch = fill(source, plan, window, self.verify, outs)
+                    batch = fill(source, plan, window, outs)
                 except BaseException:
                     ring.release(slot)
                     raise
                 return ring.batch(slot, sizes, list(plan.names),
                                   {k: (None if k in plan.names else v) for k, v in batch.items()})
-        return fill(source, plan, window, self.verify)
+        return fill(source, plan, window)
 
     def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
         decoder = make_decoder("raw")
@@ -536,7 +547,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
             for k in p.tolist():
                 samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
-                                           infos[shard].path, verify=held.verify and self.verify))
+                                           infos[shard].path, verify=False))
         return samples
 
     # ---- statistics -----------------------------------------------------------------------

@@ -25,7 +25,6 @@ import numpy as np
 from .batching import OFFSETS
 from .libc import libc_function
 from .errors import IntegrityError
-from .reader import verify_sample
 from .shardio import Held, ShardSource
 
 Run = tuple[int, np.ndarray]
@@ -105,9 +104,9 @@ class MemberCopy:
     where: str
 
 
-def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool) -> Iterator[MemberCopy]:
-    """Open (pin) the shards ``plan`` needs, one at a time, check the members that still need
-    checking, and yield the copies to make. Touches the source, so it runs in the source's
+def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run]) -> Iterator[MemberCopy]:
+    """Open (pin) the shards ``plan`` needs, one at a time (their bytes come verified), and
+    yield the copies to make. Touches the source, so it runs in the source's
     thread. Each held shard counts the copy as a user (the source keeps it open) until
     :func:`done`. Lazy on purpose: :func:`fill` copies from a shard before opening the next,
     so a reader with a one-shard pin budget never holds two."""
@@ -115,21 +114,9 @@ def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify:
     dsts_all = plan.offsets[:, :-1].T  # (n, fields): where each member goes
     for s, (idx, mine) in plan.members.items():
         where = f"shard {s} ({infos[s].path})"
-        held = _get_checked(source, s, mine, window, verify, where)
+        held = source.get(s, mine, window)
         held.users += 1  # before the next get(), which may let go of the shards before it
         yield MemberCopy(held, dsts_all[idx], plan.starts[idx] - held.base, plan.sizes[idx], where)
-
-
-def _get_checked(source: ShardSource, shard: int, positions: np.ndarray, window: Sequence[Run], verify: bool,
-                 where: str) -> Held:
-    """The held bytes of ``positions`` of ``shard``, each sample checked if they still need it
-    (a span read without the cache; a cached shard was verified whole)."""
-    held = source.get(shard, positions, window)
-    if held.verify and verify:
-        rows = source.rows(shard)
-        for k in positions.tolist():
-            verify_sample(held.view, held.base, rows, k, where)
-    return held
 
 
 def copy_into(copies: Sequence[MemberCopy], outs: Sequence[np.ndarray]) -> None:
@@ -163,13 +150,12 @@ def assemble(plan: BatchPlan, outs: Sequence[np.ndarray]) -> dict[str, Any]:
     return batch
 
 
-def fill(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool,
-         outs: list[np.ndarray] | None = None) -> dict[str, Any]:
+def fill(source: ShardSource, plan: BatchPlan, window: Sequence[Run], outs: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Copy every member of ``plan`` out of the shards ``source`` holds into one batch dict,
     into ``outs`` (one uint8 array per field, of :func:`field_bytes` sizes) when given."""
     if outs is None:
         outs = [np.empty(n, np.uint8) for n in field_bytes(plan)]
-    for copy in prepare(source, plan, window, verify):
+    for copy in prepare(source, plan, window):
         try:
             copy_into([copy], outs)
         finally:
@@ -177,7 +163,7 @@ def fill(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bo
     return assemble(plan, outs)
 
 
-def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], verify: bool,
+def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run],
                opened: Callable[[Held], None] | None = None) -> dict[str, Any]:
     """The batch ``plan`` describes with no copy of the large fields: per field, a list of
     read-only uint8 arrays over the mapped shard files (one per sample, in batch order).
@@ -194,9 +180,8 @@ def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run], veri
     n = len(plan)
     packed = {j: np.empty(size, np.uint8) for j, size in enumerate(field_bytes(plan)) if size < _GATHER_BELOW * n}
     fields: list[list[Any]] = [[None] * n for _ in plan.names]
-    infos = source.ds.shard_list
     for s, (idx, mine) in plan.members.items():
-        held = _get_checked(source, s, mine, window, verify, f"shard {s} ({infos[s].path})")
+        held = source.get(s, mine, window)
         arr, at = held.array, idx.tolist()
         if opened is not None:
             opened(held)

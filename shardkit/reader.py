@@ -396,6 +396,15 @@ def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_pa
         raise IntegrityError(f"sample {rows.keys[i]!r} in {shard_path} fails its checksum (corrupt bytes)")
 
 
+def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, shard_path: str) -> None:
+    """:func:`verify_sample` for many samples, one tight loop (a segment's worth at a time)."""
+    end = len(view)
+    for i, start, size, want in zip(positions.tolist(), (rows.offset[positions] - base).tolist(),
+                                    rows.size[positions].tolist(), rows.checksum[positions].tolist()):
+        if start < 0 or start + size > end or xxhash.xxh3_64_intdigest(view[start:start + size]) != want:
+            verify_sample(view, base, rows, i, shard_path)  # raises, naming the sample
+
+
 def sample_dict(view: memoryview, base: int, rows: ShardRows, i: int, index: int, shard_path: str,
                 verify: bool) -> dict[str, Any]:
     """Slice sample ``i`` of a shard out of ``view`` (which starts at shard byte ``base``)."""

@@ -3,11 +3,11 @@
 Either way a reader gets a memoryview over the bytes of the samples it needs plus the
 shard offset that view starts at, so samples are sliced with the manifest's offsets and
 never parsed from tar headers. Bytes are verified before any sample is yielded: the cache
-checks the whole shard's xxh3-128; a direct read of a whole shard checks the same hash once
-(and on a mismatch finds and names the bad sample); a direct read of a byte span checks each
-sample's xxh3-64 when the sample is used.
+checks the whole shard's xxh3-128; a direct read (without a cache) reads a segment of the
+shard (the samples this reader needs, see segments) and checks each of those samples' xxh3-64
+as the segment arrives.
 
-A :class:`ShardSource` keeps the shards (or spans) of the reader's look-ahead window open,
+A :class:`ShardSource` keeps the shards (or segments) of the reader's look-ahead window open,
 so a shuffled run of one sample costs a dict lookup, not an open/flock/mmap.
 """
 
@@ -18,18 +18,20 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Sequence
+from typing import BinaryIO, Callable, Sequence, Union
 
 import numpy as np
 import xxhash
 
-from . import ranged
+from . import ranged, segments
 from .cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
-from .errors import IntegrityError
-from .reader import Dataset, ShardInfo, ShardRows, check_shard_bytes, verify_sample
+from .reader import Dataset, ShardInfo, ShardRows, verify_samples
+from .segments import SegmentPlanner
 from .storage import Store
 
 Run = tuple[int, np.ndarray]
+# What a source holds open: a cached shard (its id), or a (shard, segment) read without a cache.
+HeldKey = Union[int, tuple[int, int]]
 
 # Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
 # FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
@@ -40,6 +42,10 @@ Run = tuple[int, np.ndarray]
 # caps one connection well below the link (~100 MB/s), so 2 is the default; raise it there.
 FETCH_PART_SIZE = 16 * 2**20
 FETCH_CONCURRENCY = 2
+# Reads without a cache: segments (see segments) fetched at once per reader, and read ahead.
+# Segments can be small (a worker's batch of small samples), so a few run in parallel.
+READ_AHEAD_THREADS = 4
+MAX_READS_AHEAD = 16
 
 
 def cache_namespace(ds: Dataset) -> str:
@@ -90,10 +96,9 @@ class Held:
     against ~0.3 us to copy it), and every fresh DataLoader worker would map them again.
     """
 
-    def __init__(self, base: int, end: int, verify: bool, *, handle: CachedShard | None = None,
+    def __init__(self, base: int, end: int, *, handle: CachedShard | None = None,
                  data: bytes | bytearray | memoryview | None = None, keep_map: bool = False) -> None:
         self.base, self.end = base, end
-        self.verify = verify  # per-sample checks still needed (a span read, not a verified whole shard)
         self.handle = handle
         self.keep_map = keep_map  # map the cached file through the process's kept maps
         self._view: memoryview | None = memoryview(data) if data is not None else None
@@ -166,10 +171,13 @@ class ShardSource:
         # every epoch, and the manifest rows of a shard never change.
         self._rows: dict[int, ShardRows] = ds.memo("rows")
         self._layouts: dict[int, FieldLayout | None] = ds.memo("layouts")
-        self._held: dict[int, Held] = {}
+        self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: dict[int, tuple[int, int, Future[bytes]]] = {}
+        self._ahead: dict[tuple[int, int], Future[bytes]] = {}  # segments read ahead (no cache)
+        # Without a cache: which byte segments of each shard this reader reads (set by the reader).
+        self.segment_plan: SegmentPlanner | None = None
+        self.verify = True  # check each sample read without a cache (the cache checks its shards)
         # Keep cached shards' maps across epochs (zero-copy reads; see keptmaps).
         self.keep_maps = False
         # The reader only copies members out of held shards (raw batches): cold downloads may
@@ -256,27 +264,33 @@ class ShardSource:
     # ---- holding bytes --------------------------------------------------------------------
 
     def get(self, shard: int, positions: np.ndarray, window: Sequence[Run]) -> Held:
-        """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it."""
-        held = self._held.get(shard)
-        if held is not None and self.cache is None:
-            lo, hi = self._span(self.rows(shard), positions)
-            if lo < held.base or hi > held.end:
-                self._drop(shard)
-                held = None
+        """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it.
+        Without a cache, the runs come from ``SegmentPlanner.split``: each lies inside one segment."""
+        key = self._key(shard, positions)
+        held = self._held.get(key)
         if held is not None:
             return held
         self.release(window)
         t0 = time.perf_counter()
         if self.cache is not None:
             handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
-            held = Held(0, handle.ref.size, False, handle=handle, keep_map=self.keep_maps)
+            held = Held(0, handle.ref.size, handle=handle, keep_map=self.keep_maps)
         else:
-            held = self._direct(shard, self.rows(shard), positions, window)
+            assert isinstance(key, tuple)
+            held = self._direct(key)
         self.wait_seconds += time.perf_counter() - t0
-        self._held[shard] = held
+        self._held[key] = held
         if self.cache is None:
             self._read_ahead(window)
         return held
+
+    def _key(self, shard: int, positions: np.ndarray) -> HeldKey:
+        """What is held: a cached shard, or a (shard, segment) read without the cache."""
+        if self.cache is not None:
+            return shard
+        if self.segment_plan is None:
+            raise AssertionError("shardkit: a ShardSource without a cache needs its segment plan")
+        return shard, int(self.segment_plan.plan(shard).of(positions[:1])[0])
 
     def release_all(self) -> None:
         """Unpin every held shard (bytes already handed out stay valid: they are copies, or
@@ -285,17 +299,19 @@ class ShardSource:
             self._drop(shard)
 
     def release(self, window: Sequence[Run]) -> None:
-        """Close held shards the window no longer needs (and the oldest beyond ``max_open``)."""
+        """Close held shards (segments) the window no longer needs (and the oldest shards
+        beyond ``max_open``)."""
         if not self._held:
             return
-        needed = {s for s, _ in window}
-        for s in [s for s in self._held if s not in needed]:
-            self._drop(s)
-        while len(self._held) >= self.max_open:
+        needed: set[HeldKey] = (set(self.segment_plan.segments_of(window)) if self.segment_plan is not None
+                                else {s for s, _ in window})
+        for key in [key for key in self._held if key not in needed]:
+            self._drop(key)
+        while self.cache is not None and len(self._held) >= self.max_open:
             self._drop(next(iter(self._held)))
 
-    def _drop(self, shard: int) -> None:
-        held = self._held.pop(shard)
+    def _drop(self, key: HeldKey) -> None:
+        held = self._held.pop(key)
         if held.users:
             self._closing.append(held)  # stays open and pinned until settle() sees it unused
         else:
@@ -312,65 +328,55 @@ class ShardSource:
 
     # ---- direct (no cache) reads ----------------------------------------------------------
 
-    @staticmethod
-    def _span(rows: ShardRows, positions: np.ndarray) -> tuple[int, int]:
-        return int(rows.offset[positions].min()), int((rows.offset[positions] + rows.size[positions]).max())
+    def _direct(self, key: tuple[int, int]) -> Held:
+        ahead = self._ahead.pop(key, None)
+        job = self._segment_job(key)
+        data = ahead.result() if ahead is not None else self._read_segment(*job)
+        return Held(job[3], job[4], data=data)  # its samples were checked as it was read
 
-    def _window_span(self, shard: int, rows: ShardRows, positions: np.ndarray,
-                     window: Sequence[Run]) -> tuple[int, int]:
-        # One read covers every sample of this shard the look-ahead window needs; a span
-        # covering most of the shard reads the whole file (one request, one checksum).
-        parts = [positions] + [p for s, p in window if s == shard]
-        lo, hi = self._span(rows, np.concatenate(parts) if len(parts) > 1 else positions)
-        info = self.ds.shard_list[shard]
-        return (0, info.bytes) if hi - lo > 0.75 * info.bytes else (lo, hi)
+    def _bounds(self, key: tuple[int, int]) -> tuple[int, int]:
+        assert self.segment_plan is not None
+        return self.segment_plan.plan(key[0]).bounds(key[1])
 
-    def _direct(self, shard: int, rows: ShardRows, positions: np.ndarray, window: Sequence[Run]) -> Held:
-        info = self.ds.shard_list[shard]
-        ahead = self._ahead.pop(shard, None)
-        lo, hi = self._span(rows, positions)
-        if ahead is not None and ahead[0] <= lo and hi <= ahead[1]:
-            start, end = ahead[0], ahead[1]
-            data = ahead[2].result()
-        else:
-            if ahead is not None:
-                ahead[2].cancel()
-            start, end = self._window_span(shard, rows, positions, window)
-            data = self._get(info.path, start, end)
-        whole = start == 0 and end == info.bytes
-        if whole:
-            try:
-                check_shard_bytes(data, info)
-            except IntegrityError:
-                view = memoryview(data)
-                for i in range(len(rows)):  # name the bad sample, not only the shard
-                    verify_sample(view, 0, rows, i, f"shard {shard} ({info.path})")
-                raise
-        return Held(start, end, not whole, data=data)
+    def _segment_job(self, key: tuple[int, int]) -> tuple[ShardInfo, ShardRows, np.ndarray, int, int]:
+        """What reading segment ``key`` takes, gathered in the reader's own thread (the
+        manifest memos are not shared with the read-ahead threads)."""
+        assert self.segment_plan is not None
+        shard, seg = key
+        plan = self.segment_plan.plan(shard)
+        lo, hi = plan.bounds(seg)
+        return self.ds.shard_list[shard], self.rows(shard), plan.members(seg), lo, hi
 
-    def _get(self, path: str, start: int, end: int) -> bytes:
-        data = self.store.read_range(path, start, end)
-        self.bytes_fetched += len(data)
-        self.direct_reads += 1
+    def _read_segment(self, info: ShardInfo, rows: ShardRows, positions: np.ndarray, lo: int, hi: int) -> bytes:
+        """Shard bytes ``[lo, hi)``, each sample of ``positions`` checked (xxh3-64) as they
+        arrive: in a read-ahead thread, off the training loop's path."""
+        data = self.store.read_range(info.path, lo, hi)
+        with self._fetched_mu:
+            self.bytes_fetched += len(data)
+            self.direct_reads += 1
+        if self.verify:
+            verify_samples(memoryview(data), lo, rows, positions, f"shard {info.shard} ({info.path})")
         return data
 
     def _read_ahead(self, window: Sequence[Run]) -> None:
+        """Start reading the next segments in need order, up to ``prefetch`` segments' worth
+        of bytes (``SEGMENT_BYTES`` each) in flight or waiting, and at least one."""
         if not self.prefetch or not window:
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.prefetch, thread_name_prefix="shardkit-readahead")
-        seen: list[int] = []
-        for shard, positions in window:
-            if shard in self._held or shard in seen:
+            self._pool = ThreadPoolExecutor(max_workers=max(self.prefetch, READ_AHEAD_THREADS),
+                                            thread_name_prefix="shardkit-readahead")
+        assert self.segment_plan is not None
+        budget = self.prefetch * segments.SEGMENT_BYTES
+        pending = sum(hi - lo for lo, hi in map(self._bounds, self._ahead))
+        for key in self.segment_plan.segments_of(window):
+            if key in self._held or key in self._ahead:
                 continue
-            seen.append(shard)
-            if len(seen) > self.prefetch:
+            lo, hi = self._bounds(key)
+            if (self._ahead and pending + (hi - lo) > budget) or len(self._ahead) >= MAX_READS_AHEAD:
                 break
-            if shard in self._ahead:
-                continue
-            info = self.ds.shard_list[shard]
-            start, end = self._window_span(shard, self.rows(shard), positions, [r for r in window if r[0] == shard])
-            self._ahead[shard] = (start, end, self._pool.submit(self._get, info.path, start, end))
+            self._ahead[key] = self._pool.submit(self._read_segment, *self._segment_job(key))
+            pending += hi - lo
 
     # ---- end ------------------------------------------------------------------------------
 
@@ -381,7 +387,7 @@ class ShardSource:
         for h in self._closing:
             h.close()
         self._closing = []
-        for _, _, fut in self._ahead.values():
+        for fut in self._ahead.values():
             fut.cancel()
         self._ahead.clear()
         if self._pool is not None:

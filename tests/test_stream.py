@@ -283,7 +283,7 @@ def test_corrupt_cached_shard_is_refetched(local_ds: tuple[str, dict[str, bytes]
     assert ds2.stats()["corrupt_refetches"] == 1
 
 
-@pytest.mark.parametrize("world", [1, 8])  # whole-shard read, and ranged span reads
+@pytest.mark.parametrize("world", [1, 8])  # a reader of every sample, and of a share of them
 def test_corrupt_remote_object_no_cache_names_shard_and_sample(s3_env: Any, s3_bucket: str, world: int) -> None:
     url = f"{s3_bucket}/ds"
     make(url, n=200)
@@ -483,3 +483,76 @@ def test_no_stale_length_warnings_after_a_resumed_epoch(local_ds: tuple[str, dic
         warnings.simplefilter("always")
         assert sum(1 for _ in loader) == len(loader) == -(-N // 32)
     assert not [w for w in caught if "Length of IterableDataset" in str(w.message)]
+
+
+def sample_bytes(url: str, storage_options: dict[str, Any] | None = None) -> int:
+    """Bytes of every sample's tar members (headers included): what a reader needs to fetch."""
+    ds = shardkit.open_dataset(url, storage_options)
+    return sum(int(np.sum(ds.shard_rows(i).size)) for i in range(ds.num_shards))
+
+
+def fixed_samples(n: int, size: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(1)
+    return [{"__key__": f"k{i:05d}", "bin": rng.bytes(size)} for i in range(n)]
+
+
+def test_no_cache_workers_fetch_only_their_own_samples(s3_env: Any, s3_bucket: str) -> None:
+    # DataLoader workers take turns in whole batches: each read every shard whole, so 2
+    # workers fetched the dataset twice. Each now reads the segments of its own batches
+    # (batches of 160 x 4 KB: the other worker's batch between two is a gap not worth reading).
+    url = f"{s3_bucket}/nocache"
+    shardkit.pack(iter(fixed_samples(1600, 4000)), url, shard_bytes="2MB", progress=False)
+    ds = StreamingDataset(url, cache_dir=None, batch_size=160)
+    keys = keys_of(StreamingDataLoader(ds, num_workers=2))
+    assert sorted(keys) == [f"k{i:05d}" for i in range(1600)]
+    fetched, needed = ds.stats()["bytes_fetched"], sample_bytes(url)
+    assert 0 < fetched <= 1.01 * needed, (fetched, needed)
+    # Shuffled, each worker needs a random half of every shard: the gaps between its 4 KB
+    # samples are cheaper to read than a request per sample, so each fetches most of it, and
+    # the user is told what a cache would save (tests/test_segments.py).
+    shuffled = StreamingDataset(url, cache_dir=None, batch_size=160, shuffle=True, shuffle_block=1)
+    assert sorted(keys_of(StreamingDataLoader(shuffled, num_workers=2))) == sorted(keys)
+    assert shuffled.stats()["bytes_fetched"] <= 2.01 * needed
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  shuffle: bool) -> None:
+    # Without a cache a reader held (prefetch + 1) whole shards: ~1.5 GB per process with the
+    # default 512 MB shards. It now reads and holds segments of about SEGMENT_BYTES.
+    from shardkit import segments
+    from shardkit.shardio import ShardSource
+    from shardkit.storage import Store
+
+    url = str(tmp_path / "ds")
+    data = fixed_samples(1200, 3000)
+    shardkit.pack(iter(data), url, shard_bytes="1MB", progress=False)
+    seg = 64 << 10
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", seg)
+    reads: list[int] = []
+    peak = [0]
+    real_read, real_get = Store.read_range, ShardSource.get
+
+    def read_range(self: Store, path: str, start: int, end: int) -> bytes:
+        reads.append(end - start)
+        return real_read(self, path, start, end)
+
+    def get(self: ShardSource, *args: Any) -> Any:
+        held = real_get(self, *args)
+        ahead = sum(hi - lo for lo, hi in map(self._bounds, self._ahead))
+        peak[0] = max(peak[0], ahead + sum(h.end - h.base for h in self._held.values()))
+        return held
+
+    monkeypatch.setattr(Store, "read_range", read_range)
+    monkeypatch.setattr(ShardSource, "get", get)
+    ds = StreamingDataset(url, cache_dir=None, shuffle=shuffle, shuffle_block=1, prefetch=2)
+    got = {x["__key__"]: bytes(x["bin"]) for x in ds}
+    assert got == {d["__key__"]: d["bin"] for d in data}
+    one = 3000 + 512
+    assert max(reads) <= seg + one and len(reads) >= 1200 * one // (seg + one)
+    assert sum(reads) == ds.stats()["bytes_fetched"] == sample_bytes(url)  # nothing read twice
+    if not shuffle:  # the one in use, two ahead, and one more
+        assert peak[0] <= 4 * (seg + one) < 1_000_000, peak[0]
+    else:  # a shuffle block's shards (the shuffle buffer, here one shard) and two segments ahead
+        biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+        assert peak[0] <= biggest + 2 * (seg + one), peak[0]
