@@ -520,9 +520,8 @@ def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: p
                                                   shuffle: bool) -> None:
     # Without a cache a reader held (prefetch + 1) whole shards: ~1.5 GB per process with the
     # default 512 MB shards. It now reads and holds segments of about SEGMENT_BYTES.
-    from shardkit import segments
+    from shardkit import ranged, segments
     from shardkit.shardio import ShardSource
-    from shardkit.storage import Store
 
     url = str(tmp_path / "ds")
     data = fixed_samples(1200, 3000)
@@ -531,11 +530,11 @@ def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(segments, "SEGMENT_BYTES", seg)
     reads: list[int] = []
     peak = [0]
-    real_read, real_get = Store.read_range, ShardSource.get
+    real_read, real_get = ranged.read_range, ShardSource.get
 
-    def read_range(self: Store, path: str, start: int, end: int) -> bytes:
+    def read_range(store: Any, path: str, start: int, end: int, *args: Any) -> Any:
         reads.append(end - start)
-        return real_read(self, path, start, end)
+        return real_read(store, path, start, end, *args)
 
     def get(self: ShardSource, *args: Any) -> Any:
         held = real_get(self, *args)
@@ -543,7 +542,7 @@ def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: p
         peak[0] = max(peak[0], ahead + sum(h.end - h.base for h in self._held.values()))
         return held
 
-    monkeypatch.setattr(Store, "read_range", read_range)
+    monkeypatch.setattr(ranged, "read_range", read_range)
     monkeypatch.setattr(ShardSource, "get", get)
     ds = StreamingDataset(url, cache_dir=None, shuffle=shuffle, shuffle_block=1, prefetch=2)
     got = {x["__key__"]: bytes(x["bin"]) for x in ds}
@@ -556,3 +555,17 @@ def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: p
     else:  # a shuffle block's shards (the shuffle buffer, here one shard) and two segments ahead
         biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
         assert peak[0] <= biggest + 2 * (seg + one), peak[0]
+
+
+def test_no_cache_truncated_shard_is_named_at_once(s3_env: Any, s3_bucket: str) -> None:
+    # A segment read of a shard cut short in storage is an integrity fault naming the object,
+    # not a dropped connection retried for seconds and reported as unreachable storage.
+    url = f"{s3_bucket}/cut"
+    shardkit.pack(iter(fixed_samples(300, 4000)), url, shard_bytes="400KB", progress=False)
+    info = shardkit.open_dataset(url).shard_list[1]
+    fs = s3_env.filesystem()
+    path = f"{url[5:]}/{info.path}"
+    fs.pipe_file(path, fs.cat_file(path)[: info.bytes // 2])
+    for kw in ({}, {"batch_size": 16}):
+        with pytest.raises(IntegrityError, match=f"{info.path}.*fewer than the manifest says"):
+            keys_of(StreamingDataset(url, cache_dir=None, **kw))
