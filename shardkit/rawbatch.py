@@ -48,7 +48,9 @@ class BatchPlan:
     keys: list[str]
     index: np.ndarray
     names: tuple[str, ...]
-    members: dict[int, tuple[np.ndarray, np.ndarray]]
+    # (shard, batch indices, positions in the shard) per held unit: a shard, or without a
+    # cache a segment of it (one shard's samples in a batch may lie in several segments).
+    members: list[tuple[int, np.ndarray, np.ndarray]]
     starts: np.ndarray
     sizes: np.ndarray
     offsets: np.ndarray
@@ -72,11 +74,11 @@ def plan_batch(source: ShardSource, pieces: Sequence[Run], first_sample: np.ndar
     sizes = np.empty((n, nf), np.int64)
     starts = np.empty((n, nf), np.int64)
     keys: list[str] = [""] * n
-    members: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    members: list[tuple[int, np.ndarray, np.ndarray]] = []
     for s, lay in layouts.items():
         idx = np.flatnonzero(shard_of == s)
         mine = pos[idx]
-        members[s] = (idx, mine)
+        members += [(s, idx[g], mine[g]) for g in source.held_groups(s, mine)]
         sizes[idx] = lay.sizes[mine]
         starts[idx] = lay.offs[mine]
         for k, p in zip(idx.tolist(), mine.tolist()):
@@ -112,7 +114,7 @@ def prepare(source: ShardSource, plan: BatchPlan, window: Sequence[Run]) -> Iter
     so a reader with a one-shard pin budget never holds two."""
     infos = source.ds.shard_list
     dsts_all = plan.offsets[:, :-1].T  # (n, fields): where each member goes
-    for s, (idx, mine) in plan.members.items():
+    for s, idx, mine in plan.members:
         where = f"shard {s} ({infos[s].path})"
         held = source.get(s, mine, window)
         held.users += 1  # before the next get(), which may let go of the shards before it
@@ -180,7 +182,7 @@ def view_batch(source: ShardSource, plan: BatchPlan, window: Sequence[Run],
     n = len(plan)
     packed = {j: np.empty(size, np.uint8) for j, size in enumerate(field_bytes(plan)) if size < _GATHER_BELOW * n}
     fields: list[list[Any]] = [[None] * n for _ in plan.names]
-    for s, (idx, mine) in plan.members.items():
+    for s, idx, mine in plan.members:
         held = source.get(s, mine, window)
         arr, at = held.array, idx.tolist()
         if opened is not None:

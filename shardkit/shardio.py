@@ -288,9 +288,27 @@ class ShardSource:
         """What is held: a cached shard, or a (shard, segment) read without the cache."""
         if self.cache is not None:
             return shard
+        seg = self._segments(shard, positions)
+        if (seg != seg[0]).any():  # a caller's bug; slicing the wrong segment would give wrong bytes
+            raise AssertionError(f"shardkit: samples of shard {shard} from several segments asked for as one")
+        return shard, int(seg[0])
+
+    def _segments(self, shard: int, positions: np.ndarray) -> np.ndarray:
         if self.segment_plan is None:
             raise AssertionError("shardkit: a ShardSource without a cache needs its segment plan")
-        return shard, int(self.segment_plan.plan(shard).of(positions[:1])[0])
+        return self.segment_plan.plan(shard).of(positions)
+
+    def held_groups(self, shard: int, positions: np.ndarray) -> Sequence[slice | np.ndarray]:
+        """Index groups of ``positions`` (of ``shard``) that one :meth:`get` each can serve:
+        all of them with a cache, one group per segment without."""
+        if self.cache is not None:
+            return [slice(None)]
+        seg = self._segments(shard, positions)
+        if (seg == seg[0]).all():
+            return [slice(None)]
+        order = np.argsort(seg, kind="stable")
+        cuts = np.flatnonzero(np.diff(seg[order])) + 1
+        return np.split(order, cuts)
 
     def release_all(self) -> None:
         """Unpin every held shard (bytes already handed out stay valid: they are copies, or

@@ -569,3 +569,25 @@ def test_no_cache_truncated_shard_is_named_at_once(s3_env: Any, s3_bucket: str) 
     for kw in ({}, {"batch_size": 16}):
         with pytest.raises(IntegrityError, match=f"{info.path}.*fewer than the manifest says"):
             keys_of(StreamingDataset(url, cache_dir=None, **kw))
+
+
+@pytest.mark.parametrize("workers,shuffle", [(0, False), (0, True), (2, True)])
+def test_no_cache_batches_spanning_segments_hold_the_right_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   workers: int, shuffle: bool) -> None:
+    # A batch takes one shard's samples from several segments (small segments, or a shuffled
+    # order): each group is copied from its own segment. Copied from one, the offsets of the
+    # others fell outside it (a crash) or, worse, inside it (wrong bytes).
+    from shardkit import segments
+
+    url = str(tmp_path / "ds")
+    data = fixed_samples(1000, 3000)
+    shardkit.pack(iter(data), url, shard_bytes="1MB", progress=False)
+    monkeypatch.setattr(segments, "SEGMENT_BYTES", 40_000)  # ~11 samples per segment
+    monkeypatch.setattr(segments, "GAP_BYTES", 0)
+    want = {d["__key__"]: d["bin"] for d in data}
+    ds = StreamingDataset(url, cache_dir=None, batch_size=64, shuffle=shuffle)
+    got = {}
+    for batch in StreamingDataLoader(ds, num_workers=workers):
+        for key, body in zip(batch["__key__"], unpack(batch, "bin")):
+            got[key] = bytes(body)
+    assert got == want
