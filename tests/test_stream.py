@@ -124,14 +124,16 @@ def test_len_padding_drop_last(local_ds: tuple[str, dict[str, bytes]], tmp_path:
         assert set(counts) == set(content) and sum(counts.values()) - N == world - N % world
 
 
-@pytest.mark.parametrize("new_world", [1, 3])
-def test_resume_elastic_in_process(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, new_world: int) -> None:
+@pytest.mark.parametrize("new_world,cached", [(1, True), (3, True), (3, False)])
+def test_resume_elastic_in_process(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, new_world: int,
+                                   cached: bool) -> None:
     url, content = local_ds
+    cache = tmp_path if cached else None  # without a cache: segments planned from the remaining ranges
     k = 36  # 600 - 2*36 = 528: divisible by 1 and 3, so no padding repeats
     consumed: list[str] = []
     state = None
     for rank in range(2):
-        s = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=2, rank=rank, world_size=2)
+        s = StreamingDataset(url, cache_dir=cache, shuffle=True, seed=2, rank=rank, world_size=2)
         s.set_epoch(4)
         it = iter(s)
         consumed += [next(it)["__key__"] for _ in range(k)]
@@ -140,7 +142,7 @@ def test_resume_elastic_in_process(local_ds: tuple[str, dict[str, bytes]], tmp_p
         assert state["consumed_per_rank"] == k
     rest: list[str] = []
     for rank in range(new_world):
-        s = StreamingDataset(url, cache_dir=tmp_path, shuffle=True, seed=2, rank=rank, world_size=new_world)
+        s = StreamingDataset(url, cache_dir=cache, shuffle=True, seed=2, rank=rank, world_size=new_world)
         s.load_state_dict(state)
         s.set_epoch(4)  # same epoch: the resumed position is kept
         got = keys_of(s)
@@ -149,10 +151,13 @@ def test_resume_elastic_in_process(local_ds: tuple[str, dict[str, bytes]], tmp_p
     assert Counter(consumed + rest) == Counter(content.keys())
 
 
-def test_dataloader_workers_exact_order_and_resume(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("cached", [True, False])
+def test_dataloader_workers_exact_order_and_resume(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path,
+                                                    cached: bool) -> None:
     url, content = local_ds
-    ref = keys_of(StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16))
-    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16,
+    cache = tmp_path if cached else None
+    ref = keys_of(StreamingDataLoader(StreamingDataset(url, cache_dir=cache, shuffle=True), batch_size=16))
+    loader = StreamingDataLoader(StreamingDataset(url, cache_dir=cache, shuffle=True), batch_size=16,
                                  num_workers=2, pin_memory=True)
     assert keys_of(loader) == ref  # workers take turns in whole batches: the same order
     it = iter(loader)
@@ -160,7 +165,7 @@ def test_dataloader_workers_exact_order_and_resume(local_ds: tuple[str, dict[str
     state = loader.state_dict()
     del it
     assert state["consumed_per_rank"] == 80
-    resumed = StreamingDataLoader(StreamingDataset(url, cache_dir=tmp_path, shuffle=True), batch_size=16, num_workers=1)
+    resumed = StreamingDataLoader(StreamingDataset(url, cache_dir=cache, shuffle=True), batch_size=16, num_workers=1)
     resumed.load_state_dict(state)
     rest = keys_of(resumed)
     assert first + rest == ref
