@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal
 
 import numpy as np
 
 from .errors import ConfigError, ShardkitError
-from .storage import (RETRY_ATTEMPTS, ShortRead, Store, backoff_delay, boto_settings, is_short, is_transient, s3_client,
+from .storage import (ShortRead, Store, attempts_for, boto_settings, is_short, is_transient, pause_before_retry, s3_client,
                       translate)
 
 __all__ = ["ByteCounter", "TOTAL", "read_into", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
@@ -134,9 +133,9 @@ def _run_part(part: _Part, read: Reader, what: str, store: Store) -> None:
             if is_short(exc):
                 store.check_extent(what, part.end)
             failures = 1 if part.pos > pos0 else failures + 1  # progress renews the fault budget
-            if failures < RETRY_ATTEMPTS and is_transient(exc):
-                log.debug("ranged read of %s: %s at byte %d; resuming", what, type(exc).__name__, part.pos)
-                time.sleep(backoff_delay(failures))
+            budget = attempts_for(exc)
+            if failures < budget and is_transient(exc):
+                pause_before_retry(exc, what, store.where, failures, budget)
                 continue
             raise translate(exc, what, store.where) from exc
 

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .cachefs import file_name, write_replace
-from .errors import IntegrityError, ManifestError, first_line
+from .errors import IntegrityError, ManifestError, ShardkitError, first_line
 from .manifest import parquet_file, read_info, read_shards
 from .storage import Store
 
@@ -261,6 +261,8 @@ class Dataset:
             try:
                 table = self._fragment(info.samples_file).read_row_group(info.samples_row_group, columns=columns,
                                                                          use_threads=False)
+            except ShardkitError:
+                raise  # storage faults say so themselves
             except (pa.ArrowException, OSError) as exc:
                 raise ManifestError(f"{self.store.url_of(info.samples_file)}: rows of shard {shard} are unreadable "
                                     f"({first_line(exc)})") from exc

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import random
 import threading
@@ -31,10 +32,20 @@ from .errors import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _S3_CONNECT_TIMEOUT = 5
-_S3_READ_TIMEOUT = 60
+# Seconds without a byte before a read counts as a stalled connection (then retried). AWS's
+# default is 60; with botocore's, s3fs's and shardkit's retries stacked, a frozen server took
+# ~12 minutes to fail, in silence.
+_S3_READ_TIMEOUT = 20
 RETRY_ATTEMPTS = 6
+# s3fs's own tries per call, under ours: its default 5 made every stalled call of a frozen store
+# wait 5 read timeouts before shardkit's retry loop (and its warning) saw it.
+S3FS_RETRIES = 2
+# Faults in a row after which a stall (each costs botocore's tries x the read timeout) is given
+# up: a frozen store fails in about two minutes, warning at each retry.
+TIMEOUT_ATTEMPTS = 3
 _BACKOFF_BASE = 0.2
 _BACKOFF_CAP = 5.0
 _STREAM_CHUNK = 1 << 20
@@ -56,7 +67,9 @@ def s3_options(explicit: dict[str, Any] | None) -> dict[str, Any]:
     opts["config_kwargs"] = {
         "connect_timeout": _S3_CONNECT_TIMEOUT,
         "read_timeout": _S3_READ_TIMEOUT,
-        "retries": {"max_attempts": 2, "mode": "standard"},
+        # One try per botocore call: shardkit's retry loops (and s3fs's, S3FS_RETRIES) retry,
+        # resume from the byte reached, and say when the store stalls.
+        "retries": {"max_attempts": 1, "mode": "standard"},
     }
     for name, value in (explicit or {}).items():
         if isinstance(value, dict) and isinstance(opts.get(name), dict):
@@ -91,9 +104,12 @@ def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     """Resolve a URL to (filesystem, path) with shardkit's option rules."""
     opts = s3_options(storage_options) if url.startswith(("s3://", "s3a://")) else dict(storage_options or {})
     try:
-        return url_to_fs(url, **opts)
+        fs, path = url_to_fs(url, **opts)
     except (ImportError, ValueError) as exc:
         raise StorageError(f"cannot open {url}: {exc}") from exc
+    if hasattr(fs, "retries"):  # s3fs: its own retries of each call (a class attribute, 5)
+        fs.retries = S3FS_RETRIES
+    return fs, path
 
 
 _PARENTS_FILESYSTEMS: list[fsspec.AbstractFileSystem] = []  # a forked child's inherited ones (Store.fs)
@@ -146,11 +162,32 @@ def is_transient(exc: BaseException) -> bool:
 CONNECT_ATTEMPTS = 2
 
 
-def _attempts_for(exc: BaseException, attempts: int) -> int:
+def is_timeout(exc: BaseException) -> bool:
+    """The store accepted the request and then did not answer in time."""
+    text = f"{type(exc).__name__} {exc}"
+    return isinstance(exc, TimeoutError) or "Timeout" in text or "timed out" in text
+
+
+def attempts_for(exc: BaseException, attempts: int = RETRY_ATTEMPTS) -> int:
+    """Faults in a row worth trying through: fewer for a dead endpoint or a stalled store."""
     text = f"{type(exc).__name__} {exc}"
     if "EndpointConnectionError" in text or "Could not connect to the endpoint" in text:
         return min(attempts, CONNECT_ATTEMPTS)
+    if is_timeout(exc):
+        return min(attempts, TIMEOUT_ATTEMPTS)
     return attempts
+
+
+def pause_before_retry(exc: BaseException, what: str, where: str, failures: int, attempts: int) -> None:
+    """Sleep the backoff before retry number ``failures`` of ``what``. A stalled store is said
+    at each retry (a frozen server otherwise looks like a hang); routine resets are not."""
+    if is_timeout(exc):
+        log.warning("storage: no answer for %s at %s (%s); retrying (%d of %d)", what, where, type(exc).__name__,
+                    failures, attempts - 1)
+    else:
+        log.debug("storage: %s on %s at %s; retrying (%d of %d)", type(exc).__name__, what, where, failures,
+                  attempts - 1)
+    time.sleep(backoff_delay(failures))
 
 
 def backoff_delay(attempt: int) -> float:
@@ -175,6 +212,8 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
         return StorageError(f"{what} not found at {where}")
     if "EndpointConnectionError" in name or "Could not connect" in text or isinstance(exc, ConnectionError):
         return StorageError(f"cannot reach storage for {what} at {where}: {name}")
+    if is_timeout(exc):
+        return StorageError(f"storage did not answer for {what} at {where} ({name}), retried {TIMEOUT_ATTEMPTS} times")
     return StorageError(f"storage error on {what} at {where}: {name}: {text}")
 
 
@@ -193,8 +232,9 @@ def retrying(fn: Callable[[], T], what: str, where: str, attempts: int = RETRY_A
         except Exception as exc:  # noqa: BLE001 - classified below, re-raised translated
             if isinstance(exc, ShardkitError):
                 raise
-            if attempt + 1 < _attempts_for(exc, attempts) and is_transient(exc):
-                time.sleep(backoff_delay(attempt))
+            budget = attempts_for(exc, attempts)
+            if attempt + 1 < budget and is_transient(exc):
+                pause_before_retry(exc, what, where, attempt + 1, budget)
                 continue
             raise translate(exc, what, where) from exc
     raise AssertionError("unreachable")  # pragma: no cover
@@ -498,8 +538,9 @@ class Store:
                 if is_short(exc):
                     self.check_extent(rel, end)
                 failures += 1
-                if failures < _attempts_for(exc, RETRY_ATTEMPTS) and is_transient(exc):
-                    time.sleep(backoff_delay(failures))
+                budget = attempts_for(exc)
+                if failures < budget and is_transient(exc):
+                    pause_before_retry(exc, rel, self.where, failures, budget)
                     continue
                 raise translate(exc, rel, self.where) from exc
 

@@ -109,11 +109,22 @@ def test_retrying_recovers_from_transient_faults(no_sleep: None) -> None:
 
 
 def test_retrying_gives_up_after_attempts_with_a_translated_error(no_sleep: None) -> None:
-    fn, calls = flaky([TimeoutError("slow")] * 10)
+    fn, calls = flaky([ConnectionResetError("reset")] * 10)
     with pytest.raises(StorageError, match="obj") as info:
         retrying(fn, "obj", "here", attempts=4)
     assert len(calls) == 4
-    assert isinstance(info.value.__cause__, TimeoutError)
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+
+
+def test_a_stalled_store_is_given_up_sooner_and_said(no_sleep: None, caplog: pytest.LogCaptureFixture) -> None:
+    # Each stall costs a whole read timeout: three in a row end it, each retry logged.
+    from shardkit.storage import TIMEOUT_ATTEMPTS
+
+    fn, calls = flaky([TimeoutError("timed out")] * 10)
+    with caplog.at_level("WARNING", logger="shardkit"), pytest.raises(StorageError, match="did not answer for obj"):
+        retrying(fn, "obj", "here", attempts=6)
+    assert len(calls) == TIMEOUT_ATTEMPTS < 6
+    assert caplog.text.count("storage: no answer for obj at here") == TIMEOUT_ATTEMPTS - 1
 
 
 def test_retrying_does_not_retry_permanent_faults(no_sleep: None) -> None:

@@ -596,3 +596,37 @@ def test_no_cache_batches_spanning_segments_hold_the_right_bytes(tmp_path: Path,
         for key, body in zip(batch["__key__"], unpack(batch, "bin")):
             got[key] = bytes(body)
     assert got == want
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_frozen_store_is_reported_and_fails_instead_of_hanging(s3_server: Any, s3_bucket: str, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture,
+                                                                 cached: bool) -> None:
+    # A SIGSTOPped server accepts requests and never answers: each read timed out after 60 s,
+    # retried by botocore and then six times by shardkit, ~12 minutes without a word. Now each
+    # retry of a stall says so, and three stalls in a row end in one error naming the object.
+    # (A 1 s read timeout here stands for the default 20 s.)
+    import time
+
+    from stallproxy import StallProxy
+
+    from shardkit.errors import StorageError
+
+    url = f"{s3_bucket}/frozen"
+    shardkit.pack(iter(fixed_samples(200, 4000)), url, shard_bytes="200KB", progress=False,
+                  storage_options=s3_server.storage_options())
+    proxy = StallProxy(s3_server.endpoint)
+    try:
+        ds = StreamingDataset(url, cache_dir=tmp_path if cached else None, batch_size=16,
+                              storage_options=proxy.storage_options(s3_server, read_timeout=1))
+        proxy.frozen.set()
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="shardkit"), pytest.raises(StorageError) as err:
+            keys_of(ds)
+        took = time.monotonic() - t0
+    finally:
+        proxy.close()
+    assert "did not answer" in str(err.value) and url.removeprefix("s3://") in str(err.value), str(err.value)
+    assert took < 30, took
+    assert caplog.text.count("storage: no answer for") >= 2, caplog.text
+    assert s3_server.secret not in caplog.text + str(err.value)
