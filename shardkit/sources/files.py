@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -241,18 +242,31 @@ class FileListSource:
         self.listing = ListingSkips()
 
     def _table(self) -> list[dict[str, Any]]:
+        import pyarrow as pa
         import pyarrow.csv as pacsv
         import pyarrow.parquet as pq
 
         p = check_root(self.list_path)
         try:
-            table = pq.read_table(p) if p.suffix.lower() in (".parquet", ".pq") else pacsv.read_csv(p)
+            if p.suffix.lower() in (".parquet", ".pq"):
+                table = pq.read_table(p)  # typed by its writer: taken as is
+            else:
+                # Every column as text first: pyarrow's type inference would read a zip code
+                # "00123" or an id "0001" as the integers 123 and 1.
+                with pacsv.open_csv(p) as head:
+                    names = head.schema.names
+                table = pacsv.read_csv(p, convert_options=pacsv.ConvertOptions(
+                    column_types={n: pa.string() for n in names}, strings_can_be_null=False))
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
             raise SourceError(f"cannot read file list {p}: {exc}") from exc
         if self.path_column not in table.column_names:
             raise SourceError(f"file list {p} has no {self.path_column!r} column (columns: {table.column_names})")
         if table.num_rows == 0:
             raise SourceError(f"file list {p} is empty")
+        if p.suffix.lower() not in (".parquet", ".pq"):
+            for i, name in enumerate(table.column_names):
+                if name not in (self.path_column, "key"):
+                    table = table.set_column(i, name, csv_values(table.column(i)))
         return table.to_pylist()
 
     def list_items(self) -> list[SourceItem]:
@@ -271,7 +285,8 @@ class FileListSource:
             except FileNotFoundError:
                 self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {path} does not exist")
                 continue
-            raw_key = str(row.get("key") or Path(rel).with_suffix("").as_posix())
+            key = row.get("key")  # 0 and "00" are keys too: only a missing one falls back to the path
+            raw_key = str(key) if key is not None and key != "" else Path(rel).with_suffix("").as_posix()
             items.append(SourceItem(ref=f"{i}:{path}", nbytes=size + 1536, key=safe_key(raw_key)))
         ensure_unique(items, self.list_path)
         return items
@@ -305,3 +320,34 @@ class FileListSource:
 
     def labels(self) -> dict[str, int] | None:
         return None
+
+
+# pyarrow's default CSV null spellings: in a numeric or boolean column they are missing values.
+_CSV_NULLS = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                        "N/A", "NA", "NULL", "NaN", "n/a", "nan", "null"})
+_CSV_INT = re.compile(r"^(0|-?[1-9][0-9]{0,17})$")  # exactly str(int(v)) == v, and fits int64
+_CSV_FLOAT = re.compile(r"^-?[0-9]+\.[0-9]+$")
+_CSV_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+
+
+def csv_values(column: Any) -> Any:
+    """A CSV column read as text, typed only where nothing is lost.
+
+    Integers if every value reads back as written (``str(int(v)) == v``: ``"0012"`` keeps the
+    column text), floats likewise (``repr(float(v)) == v``, integers allowed), booleans if
+    every value is true/false; otherwise the text as given. In a typed column the usual null
+    spellings (empty, ``NA``, ...) are missing values; in a text column they stay text.
+    """
+    import pyarrow as pa
+
+    values: list[str] = column.to_pylist()
+    present = [v for v in values if v not in _CSV_NULLS]
+    if not present:
+        return pa.array([None] * len(values), pa.null())
+    if all(_CSV_INT.match(v) for v in present):
+        return pa.array([None if v in _CSV_NULLS else int(v) for v in values], pa.int64())
+    if all(_CSV_INT.match(v) or (_CSV_FLOAT.match(v) and repr(float(v)) == v) for v in present):
+        return pa.array([None if v in _CSV_NULLS else float(v) for v in values], pa.float64())
+    if all(v in _CSV_BOOL for v in present):
+        return pa.array([None if v in _CSV_NULLS else _CSV_BOOL[v] for v in values], pa.bool_())
+    return column

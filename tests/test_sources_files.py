@@ -1,0 +1,59 @@
+"""File sources (keyed folder, ImageFolder, CSV/Parquet file list): what they carry into the manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import shardkit
+
+
+def _files(root: Path, n: int) -> list[str]:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"f{i}.bin").write_bytes(b"x%d" % i)
+    return [f"files/f{i}.bin" for i in range(n)]
+
+
+def _rows(url: str) -> list[dict]:
+    ds = shardkit.open_dataset(url)
+    return sorted(ds.samples.drop(["shard", "offset", "size", "fields", "checksum"]).to_pylist(), key=lambda r: r["source"])
+
+
+def test_csv_metadata_is_carried_as_given(tmp_path: Path) -> None:
+    paths = _files(tmp_path / "files", 3)
+    lst = tmp_path / "list.csv"
+    lst.write_text("path,zip,sample_id,label,score,flag,version,note\n"
+                   f"{paths[0]},00123,0001,3,0.5,true,1.10,NA\n"
+                   f"{paths[1]},007,0002,4,2,false,1.2,\n"
+                   f"{paths[2]},10,0003,,NA,,2.0,x\n")
+    shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    schema = ds.samples.schema
+    assert schema.field("zip").type == pa.string() and schema.field("sample_id").type == pa.string()
+    assert schema.field("label").type == pa.int64() and schema.field("score").type == pa.float64()
+    assert schema.field("flag").type == pa.bool_()
+    assert schema.field("version").type == pa.string()  # "1.10" is not the float 1.1
+    rows = _rows(str(tmp_path / "ds"))
+    assert [r["zip"] for r in rows] == ["00123", "007", "10"]
+    assert [r["sample_id"] for r in rows] == ["0001", "0002", "0003"]
+    assert [r["label"] for r in rows] == [3, 4, None]
+    assert [r["score"] for r in rows] == [0.5, 2.0, None]
+    assert [r["flag"] for r in rows] == [True, False, None]
+    assert [r["version"] for r in rows] == ["1.10", "1.2", "2.0"]
+    assert [r["note"] for r in rows] == ["NA", "", "x"]  # a text column keeps its text
+    assert ds.fields == ["bin", "cls"]  # numeric labels still give the cls field
+
+
+def test_file_list_key_zero_is_a_key(tmp_path: Path) -> None:
+    paths = _files(tmp_path / "files", 3)
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"path,key\n{paths[0]},0\n{paths[1]},00\n{paths[2]},\n")
+    shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
+    keys = sorted(shardkit.open_dataset(str(tmp_path / "ds")).samples.column("key").to_pylist())
+    assert keys == ["0", "00", "files_f2-" + keys[2].rpartition("-")[2]]  # only the empty key falls back to the path
+    pq.write_table(pa.table({"path": [str(tmp_path / p) for p in paths[:2]], "key": [0, 1]}), tmp_path / "list.parquet")
+    shardkit.pack(str(tmp_path / "list.parquet"), str(tmp_path / "ds2"), progress=False)
+    assert sorted(shardkit.open_dataset(str(tmp_path / "ds2")).samples.column("key").to_pylist()) == ["0", "1"]
