@@ -48,6 +48,16 @@ def folder(root: Path, n: int = 4) -> Path:
     return root
 
 
+def tiny_jpeg(seed: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (seed % 256, 80, 160)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,8 +117,8 @@ def test_unreadable_file(tmp_path: Path, kind: str) -> None:
     else:
         src = tmp_path / "src"
         folder(src / "cls0")
-        for i in range(3):
-            (src / "cls0" / f"i{i}.jpg").write_bytes(b"\xff\xd8 fake jpeg %d" % i)
+        for i in range(3):  # real images: a fake one is refused at pack time for what it is
+            (src / "cls0" / f"i{i}.jpg").write_bytes(tiny_jpeg(i))
         bad = src / "cls0" / "i1.jpg"
         kw = {"labels_from_dirs": True}
     how = make_unreadable(bad)
@@ -159,7 +169,7 @@ def test_folder_fields_differing_only_in_case_are_refused(tmp_path: Path) -> Non
 def test_folder_names_with_separator_characters_pack_whole(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "d=1|2").mkdir(parents=True)
-    want = {"d=1|2/a|b": {"jpg": b"1", "txt": b"2"}, "c": {"bin": b"3"}}
+    want = {"d=1|2/a|b": {"jpg": tiny_jpeg(1), "txt": b"2"}, "c": {"bin": b"3"}}
     for key, fields in want.items():
         for field, data in fields.items():
             (src / f"{key}.{field}").write_bytes(data)

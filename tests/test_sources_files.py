@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 import shardkit
+from shardkit.errors import SourceError
 
 
 def _files(root: Path, n: int) -> list[str]:
@@ -57,3 +60,63 @@ def test_file_list_key_zero_is_a_key(tmp_path: Path) -> None:
     pq.write_table(pa.table({"path": [str(tmp_path / p) for p in paths[:2]], "key": [0, 1]}), tmp_path / "list.parquet")
     shardkit.pack(str(tmp_path / "list.parquet"), str(tmp_path / "ds2"), progress=False)
     assert sorted(shardkit.open_dataset(str(tmp_path / "ds2")).samples.column("key").to_pylist()) == ["0", "1"]
+
+
+# --------------------------------------------------------------------------- images that are no images
+
+
+def _jpeg(seed: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (12, 8), (seed % 256, 40, 90)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+BAD_IMAGES = {"broken.jpg": b"\xff\xd8\xff garbage", "empty.jpg": b"", "text.png": b"not a png at all"}
+
+
+@pytest.mark.parametrize("kind", ["imagefolder", "folder", "filelist"])
+def test_images_that_are_no_images_are_bad_input(tmp_path: Path, kind: str) -> None:
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    for i in range(3):
+        (src / "b" / f"ok{i}.jpg").write_bytes(_jpeg(i))
+    for name, data in BAD_IMAGES.items():
+        (src / "b" / name).write_bytes(data)
+    kw: dict[str, Any] = {}
+    source = src
+    if kind == "imagefolder":
+        kw = {"labels_from_dirs": True}
+    elif kind == "filelist":
+        source = tmp_path / "list.csv"
+        source.write_text("path\n" + "".join(f"src/b/{p.name}\n" for p in sorted((src / "b").iterdir())))
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(source), str(tmp_path / "raise"), progress=False, **kw)
+    msg = str(err.value)
+    assert "\n" not in msg and "not a readable image" in msg and str(src / "b" / "broken.jpg") in msg, msg
+    assert not (tmp_path / "raise" / "dataset.json").exists()
+    info = shardkit.pack(str(source), str(tmp_path / "skip"), on_error="skip", progress=False, **kw)
+    assert info["num_samples"] == 3
+    reasons = {Path(s["reason"].split(" is not")[0].split(": ")[-1]).name: s["reason"] for s in info["skipped"]}
+    assert set(reasons) == set(BAD_IMAGES), info["skipped"]
+    assert "empty (0 bytes)" in reasons["empty.jpg"] and "no image format" in reasons["text.png"]
+    # What was packed decodes: the first epoch no longer dies on a bad file.
+    got = list(shardkit.StreamingDataset(str(tmp_path / "skip"), decode="pil"))
+    assert len(got) == 3 and all(s["jpg"].size == (12, 8) for s in got)
+
+
+def test_large_streamed_image_is_checked_from_its_header(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit.sources import files
+
+    monkeypatch.setattr(files, "STREAM_THRESHOLD", 100)  # every file streams
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "ok.jpg").write_bytes(_jpeg())
+    (src / "a" / "bad.jpg").write_bytes(b"\x00" * 500)
+    with pytest.raises(SourceError, match="bad.jpg is not a readable image"):
+        shardkit.pack(str(src), str(tmp_path / "ds"), labels_from_dirs=True, progress=False)
+    info = shardkit.pack(str(src), str(tmp_path / "ds2"), labels_from_dirs=True, on_error="skip", progress=False)
+    assert info["num_samples"] == 1 and info["skipped"][0]["ref"] == "a/bad.jpg"

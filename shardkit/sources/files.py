@@ -6,6 +6,7 @@ work by bytes; data is read inside pack tasks. Large files stream into the tar i
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..codecs import IMAGE_EXTS
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, safe_key
 from .base import ListingSkips, SourceItem
@@ -81,6 +83,33 @@ def read_field(path: str | os.PathLike[str]) -> FieldValue:
     return StreamedField(size, chunks)
 
 
+def check_image(path: str | os.PathLike[str], field: str, value: FieldValue) -> None:
+    """SourceError naming ``path`` if an image field (by its last extension, as the reader
+    decodes it) is empty or its header is no image format PIL knows.
+
+    Only the header is parsed (``Image.open`` without ``load``): about 20-30 microseconds an
+    image, where a corrupt file packed as is would end the first training epoch instead.
+    """
+    if field.rpartition(".")[2] not in IMAGE_EXTS:
+        return
+    size = value.size if isinstance(value, StreamedField) else len(value)
+    if size == 0:
+        raise SourceError(f"{Path(path)} is not a readable image: it is empty (0 bytes)")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        # A big file streams: PIL reads the header from the file, not the whole of it.
+        with Image.open(path if isinstance(value, StreamedField) else io.BytesIO(value)):
+            pass
+    except Image.DecompressionBombError:
+        pass  # a very large image is still an image: PIL knew its format and its size
+    except UnidentifiedImageError as exc:
+        raise SourceError(f"{Path(path)} is not a readable image: its {size} bytes are in no image format "
+                          "PIL recognises") from exc
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types for corrupt headers
+        raise SourceError(f"{Path(path)} is not a readable image: {type(exc).__name__}: {exc}") from exc
+
+
 def check_root(path: str | os.PathLike[str]) -> Path:
     root = Path(path)
     if not root.exists():
@@ -146,7 +175,8 @@ class FolderSource:
         first = None
         for rel in json.loads(item.ref):
             first = first or rel
-            fields[_field(rel)] = read_field(root / rel)
+            value = fields[_field(rel)] = read_field(root / rel)
+            check_image(root / rel, _field(rel), value)
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
@@ -218,7 +248,9 @@ class ImageFolderSource:
         label = self.labels()[cls]  # type: ignore[index]
         ext = os.path.splitext(item.ref)[1].lower().lstrip(".")
         ext = "jpg" if ext == "jpeg" else ext
-        image = read_field(f"{self.root}/{item.ref}")  # a str path: no Path objects per image
+        path = f"{self.root}/{item.ref}"  # a str path: no Path objects per image
+        image = read_field(path)
+        check_image(path, ext, image)
         return PackSample(item.key, {ext: image, "cls": str(label).encode()},
                           {"label": label, "class_name": _text(cls), "source": _text(item.ref)})
 
@@ -300,6 +332,7 @@ class FileListSource:
         meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
         meta["source"] = row[self.path_column]
         fields: dict[str, FieldValue] = {ext: read_field(path)}
+        check_image(path, ext, fields[ext])
         if isinstance(meta.get("label"), int):
             fields["cls"] = str(meta["label"]).encode()
         return PackSample(item.key, fields, meta)
