@@ -110,8 +110,12 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
 
 def _failed(sample: dict[str, Any], what: str, exc: Exception) -> DecodeError:
     """One line naming the sample and its shard: in 20 M samples, which one is bad."""
+    detail = first_line(exc)
+    if type(exc).__name__ == "UnidentifiedImageError":
+        # PIL's own text names only "<_io.BytesIO object at 0x...>".
+        detail = "the bytes are not a recognizable image (PIL knows no image format that starts like them)"
     return DecodeError(f"sample {sample.get('__key__')!r} in {sample.get('__shard__')}: {what}: "
-                       f"{type(exc).__name__}: {first_line(exc)}")
+                       f"{type(exc).__name__}: {detail}")
 
 
 class CenterCrop:
@@ -141,7 +145,10 @@ class CenterCrop:
         name = self.field or next((k for k in sample if _ext(k) in IMAGE_EXTS), None)
         if name is None:
             raise ConfigError(f"sample {sample.get('__key__')!r} has no image field")
-        img: Image.Image = Image.open(io.BytesIO(sample[name]))
+        try:
+            img: Image.Image = Image.open(io.BytesIO(sample[name]))
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types for bytes that are no image
+            raise _failed(sample, f"field {name!r} does not decode (CenterCrop)", exc) from exc
         img.draft("RGB", (self.resize, self.resize))
         if img.mode != "RGB":
             img = img.convert("RGB")

@@ -334,6 +334,18 @@ def test_decode_errors_name_the_sample_its_shard_and_field(tmp_path: Path) -> No
     assert "'bad'" in message and "strict" in message  # also from a DataLoader worker
 
 
+def test_decode_error_of_bytes_that_are_no_image_says_so(tmp_path: Path) -> None:
+    from shardkit.errors import DecodeError
+
+    url = str(tmp_path / "ds")  # an iterable is packed as given: its bytes are the caller's
+    shardkit.pack([{"__key__": "bad", "jpg": b"not an image"}], url, progress=False)
+    for decode in ("pil", shardkit.CenterCrop(16)):
+        with pytest.raises(DecodeError) as err:
+            list(shardkit.StreamingDataset(url, decode=decode))
+        check_message(err.value, "'bad'", "'jpg'", "not a recognizable image")
+        assert "BytesIO" not in str(err.value) and " at 0x" not in str(err.value)
+
+
 @pytest.mark.parametrize("reader", ["stream", "random"])
 def test_empty_cache_dir_is_refused_not_the_working_directory(tmp_path: Path, reader: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
