@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import socket
 from typing import Any
 
 from .errors import ConfigError, ShardkitError
@@ -37,6 +38,7 @@ def ensure_ray(address: str | None) -> Any:
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
     target = address or os.environ.get("RAY_ADDRESS") or "local"
+    probe_ray_address(target)
     kwargs: dict[str, Any] = {"address": target, "log_to_driver": True, "ignore_reinit_error": True}
     if target == "local":
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -46,6 +48,25 @@ def ensure_ray(address: str | None) -> Any:
     except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
         raise ShardkitError(f"cannot start or reach Ray at {target}: {type(exc).__name__}: {exc}") from exc
     return ray
+
+
+def probe_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Fail at once, naming ``address``, when nothing listens at an explicit ``host:port``
+    (or ``ray://host:port``): ``ray.init`` would retry the GCS connection for ~14 minutes,
+    printing C++ warnings. ``local``, ``auto`` and other forms are left to Ray."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    if "://" in rest or rest in ("local", "auto"):
+        return
+    host, sep, port_text = rest.rstrip("/").rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        return
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:6379
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ShardkitError(f"cannot reach Ray at {address}: nothing answers on {host}:{port_text} "
+                            f"({exc.strerror or type(exc).__name__}); is the cluster's head running?") from exc
 
 
 def for_tasks(src: Source) -> Source:

@@ -264,3 +264,42 @@ def test_pack_300mb_samples_bounded_memory(tmp_path, s3_server, s3_bucket):
     assert grown < 150, f"peak RSS grew {grown:.0f} MB over the import baseline (bound 150 MB)"
     ds = shardkit.open_dataset(f"{s3_bucket}/big", storage_options=s3_server.storage_options())
     ds.verify()
+
+
+def test_unreachable_ray_address_fails_at_once(tmp_path):
+    """``--ray-address host:port`` with nothing listening: one line naming it, in seconds, not
+    Ray's ~14 minutes of GCS retries (a subprocess: this session's Ray may be initialised)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from shardkit.errors import ShardkitError
+    from shardkit.ray_engine import probe_ray_address
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("x")
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(src), str(tmp_path / "ds"), "--engine", "ray",
+                        "--ray-address", f"127.0.0.1:{port}", "--quiet"],
+                       capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+    assert time.monotonic() - started < 60
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "Traceback" not in r.stderr, r.stderr
+    with pytest.raises(ShardkitError, match=f"ray://127.0.0.1:{port}"):
+        probe_ray_address(f"ray://127.0.0.1:{port}")
+    for left_to_ray in ("local", "auto", "ray://auto"):
+        probe_ray_address(left_to_ray)
+    with socket.socket() as server:  # something listening: passes
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        probe_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
