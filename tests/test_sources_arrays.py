@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,6 +237,29 @@ def test_hdf5_rows_mismatched_lengths(tmp_path):
 def test_hdf5_rows_needs_datasets(tmp_path):
     with pytest.raises(SourceError, match="rows"):
         Hdf5Source(tmp_path / "x.h5", mode="rows")
+
+
+def test_hdf5_rows_with_a_source_that_is_not_hdf5_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    import shardkit
+    from shardkit.errors import ConfigError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="hdf5_rows .*HDF5 sources only.*folder"):
+        shardkit.pack(str(src), str(tmp_path / "ds"), hdf5_rows="data", progress=False)
+    assert not (tmp_path / "ds").exists()
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(src), str(tmp_path / "ds"), "--hdf5-rows", "data"],
+                       capture_output=True, text=True, cwd=repo, timeout=60)
+    assert r.returncode == 2 and "--hdf5-rows" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    h5 = tmp_path / "ok.h5"
+    with h5py.File(h5, "w") as f:
+        f["data"] = np.zeros((2, 3))
+    assert shardkit.pack(str(h5), str(tmp_path / "ds2"), hdf5_rows="data", progress=False)["num_samples"] == 2
 
 
 # -- Hdf5Source: bad input -------------------------------------------------------------------

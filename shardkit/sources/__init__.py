@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import SourceError, SourceNotFoundError
+from ..errors import ConfigError, SourceError, SourceNotFoundError
 from .base import Source, SourceItem
 from .files import FileListSource, FolderSource, ImageFolderSource
 
@@ -23,8 +23,21 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards; only
     ``.npy``/``.npz`` -> arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an
-    ImageFolder with ``labels_from_dirs``).
+    ImageFolder with ``labels_from_dirs``). ``hdf5_rows`` with a source that is not HDF5 is
+    a ConfigError, not silently ignored.
     """
+    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    if hdf5_rows is not None:
+        from .hdf5 import Hdf5Source
+
+        if not isinstance(src, Hdf5Source):
+            raise ConfigError(f"hdf5_rows (--hdf5-rows {hdf5_rows}) applies to HDF5 sources only; "
+                              f"{source} is a {src.describe().get('type', type(src).__name__)} source")
+    return src
+
+
+def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
+             hdf5_rows: str | None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
         return source
     if not isinstance(source, (str, os.PathLike)):
