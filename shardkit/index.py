@@ -234,6 +234,9 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
     try:
         scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
         for key, members in group_members(_observe(scan, reader)):
+            if not key or key.endswith("/"):  # ".jpg", "dir/.jpg": a sample with no key
+                raise UnsafeTarError(f"{url}: member {members[0].name!r} has no key (nothing before the first dot "
+                                     "of its name); refused")
             spans = _fields(url, members)
             keys.add(key, shard)
             fields.update(s["name"] for s in spans)

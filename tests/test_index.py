@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from typing import Any
 
@@ -173,6 +174,15 @@ def test_hostile_tar_refused_nothing_committed(tmp_path, kind):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / "dataset.json").exists()
     assert not (tmp_path / "manifest").exists()
+    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
+
+
+@pytest.mark.parametrize("name", [".jpg", "dir/.jpg", "./.cls"])
+def test_member_without_a_key_is_refused(tmp_path, name):
+    _put(str(tmp_path), {"a.tar": _tarfile_bytes([("fine.txt", b"fine"), (name, b"x")])})
+    with pytest.raises(UnsafeTarError, match=re.escape(repr(name))):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "dataset.json").exists()
     assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
 
 
