@@ -120,3 +120,27 @@ def test_large_streamed_image_is_checked_from_its_header(tmp_path: Path, monkeyp
         shardkit.pack(str(src), str(tmp_path / "ds"), labels_from_dirs=True, progress=False)
     info = shardkit.pack(str(src), str(tmp_path / "ds2"), labels_from_dirs=True, on_error="skip", progress=False)
     assert info["num_samples"] == 1 and info["skipped"][0]["ref"] == "a/bad.jpg"
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_text_labels_become_classes(tmp_path: Path, fmt: str) -> None:
+    paths = _files(tmp_path / "files", 4)
+    labels = ["dog", "cat", "", "dog"]
+    if fmt == "csv":
+        lst = tmp_path / "list.csv"
+        lst.write_text("path,label\n" + "".join(f"{p},{lab}\n" for p, lab in zip(paths, labels)))
+    else:
+        lst = tmp_path / "list.parquet"
+        pq.write_table(pa.table({"path": [str(tmp_path / p) for p in paths], "label": labels}), lst)
+    info = shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
+    assert info["labels"] == {"cat": 0, "dog": 1}  # sorted names, as --labels-from-dirs numbers folders
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    assert ds.labels == {"cat": 0, "dog": 1} and "cls" in ds.fields
+    got = {s["__key__"]: s.get("cls") for s in shardkit.StreamingDataset(str(tmp_path / "ds"), decode="pil")}
+    rows = {r["key"]: r for r in ds.samples.to_pylist()}
+    assert sorted((rows[k]["label"], c) for k, c in got.items()) == [("", None), ("cat", 0), ("dog", 1), ("dog", 1)]
+    # Numeric labels: the cls field as before, and no labels map.
+    num = tmp_path / "num.csv"
+    num.write_text("path,label\n" + "".join(f"{p},{i % 2}\n" for i, p in enumerate(paths)))
+    info = shardkit.pack(str(num), str(tmp_path / "ds2"), progress=False)
+    assert not info["labels"] and "cls" in info["fields"]

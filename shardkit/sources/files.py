@@ -305,7 +305,9 @@ class FileListSource:
         base = Path(self.list_path).parent
         items = []
         self.listing.skipped.clear()
-        for i, row in enumerate(self._table()):
+        self._rows = self._table()  # fresh: the local engine's tasks and labels() reuse it
+        self.__dict__.pop("_class_map", None)
+        for i, row in enumerate(self._rows):
             rel = row[self.path_column]
             if not rel:
                 self.listing.bad(f"{self.list_path}: row {i}",
@@ -333,17 +335,33 @@ class FileListSource:
         meta["source"] = row[self.path_column]
         fields: dict[str, FieldValue] = {ext: read_field(path)}
         check_image(path, ext, fields[ext])
-        if isinstance(meta.get("label"), int):
-            fields["cls"] = str(meta["label"]).encode()
+        label = meta.get("label")
+        if isinstance(label, int) and not isinstance(label, bool):
+            fields["cls"] = str(label).encode()
+        elif isinstance(label, str) and label:
+            fields["cls"] = str(self._classes()[label]).encode()  # the column keeps the name
         return PackSample(item.key, fields, meta)
 
+    def _classes(self) -> dict[str, int]:
+        """Class name -> index of a text ``label`` column ("cat", "dog"): the sorted distinct
+        names, as --labels-from-dirs numbers its folders; empty for numeric labels."""
+        classes: dict[str, int] | None = getattr(self, "_class_map", None)
+        if classes is None:
+            names = {r.get("label") for r in self._all_rows()}
+            classes = {c: i for i, c in enumerate(sorted(n for n in names if isinstance(n, str) and n))}
+            self._class_map = classes
+        return classes
+
     def _row(self, index: int) -> dict[str, Any]:
+        return self._all_rows()[index]
+
+    def _all_rows(self) -> list[dict[str, Any]]:
         # Tasks reload the (small) list once per process rather than pickling all rows.
-        rows = getattr(self, "_rows", None)
+        rows: list[dict[str, Any]] | None = getattr(self, "_rows", None)
         if rows is None:
             rows = self._table()
             self._rows = rows
-        return rows[index]
+        return rows
 
     def __getstate__(self) -> dict[str, Any]:
         return {"list_path": self.list_path, "path_column": self.path_column}
@@ -352,7 +370,7 @@ class FileListSource:
         return {"type": "filelist", "path": self.list_path}
 
     def labels(self) -> dict[str, int] | None:
-        return None
+        return self._classes() or None
 
 
 # pyarrow's default CSV null spellings: in a numeric or boolean column they are missing values.
