@@ -21,10 +21,30 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def check_scheme(url: str, what: str) -> None:
+    """ConfigError (exit 2, bad usage) for a URL whose scheme no fsspec filesystem has
+    (``foo://x``); storage would report it as a failed operation (exit 1)."""
+    import fsspec
+    from fsspec.core import split_protocol
+
+    for part in url.split("::"):  # chained URLs: simplecache::s3://...
+        protocol, _ = split_protocol(part)
+        if protocol is None:
+            continue
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError as exc:
+            raise ConfigError(f"{what} {url}: unknown URL scheme {protocol!r} (no fsspec filesystem has it)") from exc
+        except ImportError:
+            pass  # a known scheme whose package is missing: storage says which one
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from .packer import pack
     from .transforms import transform_from_options
 
+    check_scheme(args.source, "SOURCE")
+    check_scheme(args.dest, "DEST")
     transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
                                        predecode=args.predecode)
     info = pack(args.source, args.dest, shard_bytes=args.shard_size, engine=args.engine,
@@ -50,6 +70,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from .reader import open_dataset
 
+    check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     info = dict(ds.info)
     if args.json:
@@ -74,6 +95,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .progress import Progress
     from .reader import open_dataset
 
+    check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     total = int(ds.info["total_bytes"])
     try:
@@ -95,6 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_index(args: argparse.Namespace) -> int:
     from .index import index_tars
 
+    check_scheme(args.dest, "DEST")
     info = index_tars(args.dest, overwrite=args.overwrite, progress=not (args.json or args.quiet))
     if args.json:
         _print_json(info)

@@ -77,6 +77,11 @@ def test_pack_info_verify_json_local(source: Path, tmp_path: Path) -> None:
     ("pack", "SRC"),
     ("verify",),
     ("frobnicate", "x"),
+    ("info", "foo://bar/baz"),  # a URL scheme no filesystem has is bad usage too
+    ("verify", "foo://bar/baz"),
+    ("index", "simplecache::foo://bar"),
+    ("pack", "SRC", "foo://bar/baz"),
+    ("pack", "foo://bar/a.tar", "DEST"),
 ])
 def test_bad_usage_exits_2(args: tuple[str, ...], source: Path, tmp_path: Path) -> None:
     dest = tmp_path / "ds"
@@ -86,6 +91,8 @@ def test_bad_usage_exits_2(args: tuple[str, ...], source: Path, tmp_path: Path) 
     assert "Traceback" not in r.stderr and r.stdout == ""
     if "12XB" in args:
         assert "12XB" in one_line(r.stderr) and "shard" in r.stderr
+    if any(a.startswith(("foo:", "simplecache:")) for a in args):
+        assert "unknown URL scheme 'foo'" in one_line(r.stderr) and "foo://bar" in r.stderr
     assert not dest.exists()
 
 
