@@ -46,7 +46,7 @@ from .cachefs import (
     unlink_quiet,
     verified_stamp_ns,
 )
-from .errors import CacheFullError, ConfigError, IntegrityError
+from .errors import CacheFullError, ConfigError, IntegrityError, StorageStalledError
 from .keptmaps import KEPT
 from .landing import LANDING, DirectWriter, Landing
 
@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 _POLL = 0.05
 WAIT_NOTE_SECONDS = 30.0  # a reader blocked on a full cache says so this often (until wait_timeout)
+# A prefetch that gave up on a stalled store (every retry timed out) this recently: the reader
+# opening that shard gets its error instead of spending the whole retry budget again.
+STALL_REMEMBERED = 60.0
 MAX_AT_ONCE = 8  # downloads one process's prefetch runs at once, at most
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
@@ -222,6 +225,7 @@ class ShardCache:
         self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str], bool]] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
         with self._global():  # sweep partial downloads of dead processes that nobody adopted
             for e in self._scan():
                 dl = None
@@ -266,6 +270,9 @@ class ShardCache:
         with self._mu:
             nxt = self._next_use(file)
             self._cursor = self._cursor if nxt is None else nxt + 1
+            stalled = self._stalled.pop(file, None)
+        if stalled is not None and time.monotonic() - stalled[0] < STALL_REMEMBERED:
+            raise stalled[1]  # a prefetch just spent the whole retry budget on it: not a second one
         KEPT.prune()  # let go of kept maps whose files another process evicted
         pin = FileLock.take(self._lock_path(self._ns, file, "pin"), fcntl.LOCK_SH)
         try:
@@ -670,7 +677,10 @@ class ShardCache:
                 fd = self._ensure(ref, fetch, file, earlier, landing)
                 if fd is not None:
                     os.close(fd)
-            except Exception as exc:  # the foreground open retries (and resumes) it
+            except Exception as exc:  # the foreground open retries (and resumes) it, unless the store stalled
                 log.warning("cache: prefetch of %s failed: %s", ref.name, exc)
+                if isinstance(exc, StorageStalledError):
+                    with self._mu:
+                        self._stalled[file] = (time.monotonic(), exc)
             finally:
                 pin.release()

@@ -53,6 +53,10 @@ class StorageError(ShardkitError, OSError):
     """Storage could not be reached or refused the request (no secrets in the message)."""
 
 
+class StorageStalledError(StorageError, TimeoutError):
+    """The store took requests and did not answer them, through every retry."""
+
+
 class StoragePermissionError(StorageError, PermissionError):
     """Storage refused the credentials."""
 

@@ -28,6 +28,7 @@ from .errors import (
     ShardkitError,
     StorageError,
     StoragePermissionError,
+    StorageStalledError,
     first_line,
 )
 
@@ -67,9 +68,10 @@ def s3_options(explicit: dict[str, Any] | None) -> dict[str, Any]:
     opts["config_kwargs"] = {
         "connect_timeout": _S3_CONNECT_TIMEOUT,
         "read_timeout": _S3_READ_TIMEOUT,
-        # One try per botocore call: shardkit's retry loops (and s3fs's, S3FS_RETRIES) retry,
-        # resume from the byte reached, and say when the store stalls.
-        "retries": {"max_attempts": 1, "mode": "standard"},
+        # One try per botocore call (its "max_attempts" counts retries, not tries: 2 meant 3):
+        # shardkit's retry loops (and s3fs's, S3FS_RETRIES) retry, resume from the byte
+        # reached, and say when the store stalls.
+        "retries": {"total_max_attempts": 1, "mode": "standard"},
     }
     for name, value in (explicit or {}).items():
         if isinstance(value, dict) and isinstance(opts.get(name), dict):
@@ -213,7 +215,8 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
     if "EndpointConnectionError" in name or "Could not connect" in text or isinstance(exc, ConnectionError):
         return StorageError(f"cannot reach storage for {what} at {where}: {name}")
     if is_timeout(exc):
-        return StorageError(f"storage did not answer for {what} at {where} ({name}), retried {TIMEOUT_ATTEMPTS} times")
+        return StorageStalledError(f"storage did not answer for {what} at {where} ({name}), "
+                                   f"retried {TIMEOUT_ATTEMPTS} times")
     return StorageError(f"storage error on {what} at {where}: {name}: {text}")
 
 

@@ -63,7 +63,7 @@ class StallProxy:
         """s3fs options reaching ``server`` through this proxy, with a short read timeout."""
         opts = server.storage_options()
         opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "endpoint_url": self.endpoint}
-        opts["config_kwargs"] = {"read_timeout": read_timeout, "connect_timeout": 2, "retries": {"max_attempts": 1}}
+        opts["config_kwargs"] = {"read_timeout": read_timeout, "connect_timeout": 2, "retries": {"total_max_attempts": 1}}
         return opts
 
     def close(self) -> None:

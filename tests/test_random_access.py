@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit import ranged
+from shardkit import ranged, storage
 from shardkit.errors import IntegrityError
 from shardkit.random_access import SampleNotFoundError
 from shardkit.storage import Store
@@ -223,7 +223,7 @@ def test_read_into_resumes_a_failed_part_from_the_byte_it_reached(tmp_path: Any,
         real(part, readinto, what)
 
     monkeypatch.setattr(ranged, "_fill", flaky)
-    monkeypatch.setattr(ranged, "backoff_delay", lambda attempt: 0.0)
+    monkeypatch.setattr(storage, "backoff_delay", lambda attempt: 0.0)  # pause_before_retry sleeps it
     out = bytearray(len(data) - 1000)
     counter = ranged.ByteCounter()
     ranged.read_into(store, "obj", 1000, len(data), out, part_size=999_000, concurrency=3, counter=counter,
