@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .cachefs import pid_alive
+from .claim import CLAIM, Claim
 from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from .manifest import (
@@ -37,7 +38,7 @@ from .writer import SampleRows, ShardRecord, ShardWriter, TarShard, Uploader
 
 log = logging.getLogger(__name__)
 
-CLAIM = "_pack/plan.json"
+ITERABLE_PLAN = "iterable"  # an iterable cannot be planned: every run of one is the same "plan"
 _TASK_META = "shardkit_task"
 Transform = Callable[[PackSample], PackSample]
 
@@ -184,37 +185,6 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
                       summary["fields"], sum(r.num_samples for r in records), sum(r.bytes for r in records), reused=True)
 
 
-def _claim(store: Store, plan_id: str, overwrite: bool, settings: dict[str, Any]) -> None:
-    """Mark the destination as taken by this plan; refuse a different plan's leftovers,
-    saying what differs (the claim records the settings, which dataset.json shows anyway)."""
-    body = json.dumps({"plan_id": plan_id, "started": time.time(), "settings": settings},
-                      sort_keys=True, default=str).encode()
-    try:
-        store.put_create(CLAIM, body)
-        return
-    except DatasetExistsError:
-        pass
-    claim = json.loads(store.read_bytes(CLAIM))
-    other = claim.get("plan_id")
-    if other == plan_id:
-        return  # a rerun of the same pack: resume
-    if not overwrite:
-        then = claim.get("settings")  # read back from JSON, as `now` is made comparable
-        now = json.loads(json.dumps(settings, default=str))
-        if then is None:
-            what = "input or settings"
-        elif then != now:
-            what = "settings: " + ", ".join(f"{k} {then.get(k)!r} then, {now.get(k)!r} now"
-                                            for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
-        else:
-            what = "input: the source's files changed"
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(claim.get("started", 0)))
-        raise DatasetExistsError(
-            f"{store.url} holds an unfinished pack (plan {other}, started {started}) with other {what}; "
-            "if it is not still running, rerun with --overwrite to discard it, or rerun it as it was to finish it")
-    store.put_bytes(CLAIM, body)
-
-
 def _sweep_temp(store: Store) -> None:
     """Remove local shard temp files left by packs that died (``*.tar.tmp.<pid>.<id>``)."""
     if store.is_object_store:
@@ -225,14 +195,35 @@ def _sweep_temp(store: Store) -> None:
             store.remove(rel)
 
 
-def _prepare_destination(store: Store, overwrite: bool) -> None:
-    if store.exists(DATASET_JSON):
-        if not overwrite:
-            raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
-        # Uncommit first, so nobody reads a half-replaced dataset.
-        store.remove(DATASET_JSON)
-        for prefix in ("shards", "manifest", "_pack"):
+def _refuse_committed(store: Store) -> None:
+    raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
+
+
+def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: bool = True) -> None:
+    """With this pack's claim held: refuse a committed dataset (unless ``overwrite``), and
+    remove it (or, not ``resumable``, whatever an earlier run left)."""
+    committed = store.exists(DATASET_JSON)
+    if committed and not overwrite:
+        claim.drop()
+        _refuse_committed(store)
+    if committed or not resumable:
+        store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
+        for prefix in ("shards", "manifest"):
             store.remove(prefix, recursive=True)
+        for rel in _listing(store, "_pack"):
+            if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
+                store.remove(rel, recursive=True)
+
+
+def _listing(store: Store, folder: str) -> list[str]:
+    """What is under ``folder`` now. s3fs keeps listings (shared by every Store of the same
+    options in this process) and answers later size and existence queries from them: drop the
+    listing again, or a reader here would see sizes from before the objects changed."""
+    store.fs.invalidate_cache(store.path(folder))
+    try:
+        return store.glob(f"{folder}/*")
+    finally:
+        store.fs.invalidate_cache(store.path(folder))
 
 
 def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, engine: str = "local", *,
@@ -279,18 +270,25 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     settings = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
                      options=settings)
-    _prepare_destination(store, overwrite)
-    _claim(store, plan.plan_id, overwrite, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
-                                            "task_bytes": opts.task_bytes})
-    _sweep_temp(store)
-    runner = _run_ray if engine == "ray" else _run_local
-    results = runner(store, src, plan, opts, progress, ray_address)
-    return _commit(store, src.describe(), src.labels(), results, started, engine, opts,
-                   listing.skipped if listing is not None else [])
+    if not overwrite and store.exists(DATASET_JSON):
+        _refuse_committed(store)  # before claiming: nothing written (checked again once claimed)
+    claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
+                                        "task_bytes": opts.task_bytes})
+    claim.take(overwrite)
+    try:
+        _prepare_destination(store, claim, overwrite)
+        _sweep_temp(store)
+        runner = _run_ray if engine == "ray" else _run_local
+        results = runner(store, src, plan, opts, progress, ray_address, claim.check)
+        return _commit(store, src.describe(), src.labels(), results, started, engine, opts, claim,
+                       listing.skipped if listing is not None else [])
+    except BaseException:
+        claim.release(ended=True)
+        raise
 
 
 def _run_local(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
-               _ray_address: str | None) -> list[TaskResult]:
+               _ray_address: str | None, check: Callable[[], None]) -> list[TaskResult]:
     results = []
     # One upload thread for the whole pack: a task's last shard and its fragment upload while
     # the next task reads and frames its samples (on an error, close() still finishes what
@@ -300,6 +298,7 @@ def _run_local(store: Store, src: Source, plan: PackPlan, opts: PackOptions, sho
     try:
         with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack", enabled=show) as bar:
             for task in plan.tasks:
+                check()  # stop writing as soon as another pack has taken the destination over
                 done = completed_task(store, task, plan.plan_id) if fragment_name(task.task) in stored else None
                 if done is None:
                     done = run_task(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts,
@@ -324,21 +323,33 @@ def _stored_fragments(store: Store) -> set[str]:
 
 
 def _run_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
-             ray_address: str | None) -> list[TaskResult]:
+             ray_address: str | None, check: Callable[[], None]) -> list[TaskResult]:
     from .ray_engine import run_tasks_on_ray
 
-    return run_tasks_on_ray(store, src, plan, opts, show, ray_address)
+    return run_tasks_on_ray(store, src, plan, opts, show, ray_address, check)
 
 
 def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOptions, overwrite: bool,
                    show: bool) -> dict[str, Any]:
+    started = time.monotonic()
+    if not overwrite and store.exists(DATASET_JSON):
+        _refuse_committed(store)
+    claim = Claim(store, ITERABLE_PLAN, {"source": {"type": "iterable"}, "shard_bytes": opts.shard_bytes,
+                                         "shard_samples": opts.shard_samples, "transform": opts.transform_desc})
+    claim.take(overwrite)
+    try:
+        # An iterable cannot be replanned, so a rerun starts over: clear what an earlier run left.
+        _prepare_destination(store, claim, overwrite, resumable=False)
+        return _pack_iterable_claimed(items, store, opts, show, started, claim)
+    except BaseException:
+        claim.release(ended=True)
+        raise
+
+
+def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: PackOptions, show: bool,
+                           started: float, claim: Claim) -> dict[str, Any]:
     from .sources.iterable import samples_from_iterable
 
-    started = time.monotonic()
-    _prepare_destination(store, overwrite)
-    # An iterable cannot be replanned, so a rerun starts over: clear what an earlier run left.
-    for prefix in ("shards", "manifest", "_pack"):
-        store.remove(prefix, recursive=True)
     fields: set[str] = set()
     with Progress(None, None, 1, "pack", enabled=show) as bar, \
             ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples) as writer:
@@ -354,16 +365,17 @@ def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOpti
     groups = write_fragment(store, frag, writer.rows, writer.shards)
     result = TaskResult(0, frag, writer.shards, groups, [], sorted(fields), len(writer.rows),
                         sum(s.bytes for s in writer.shards))
-    return _commit(store, {"type": "iterable"}, None, [result], started, "local", opts)
+    return _commit(store, {"type": "iterable"}, None, [result], started, "local", opts, claim)
 
 
 def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | None, results: list[TaskResult],
-            started: float, engine: str, opts: PackOptions, listing_skipped: list[dict[str, str]] | None = None
-            ) -> dict[str, Any]:
+            started: float, engine: str, opts: PackOptions, claim: Claim,
+            listing_skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
     records = [r for res in results for r in res.shards]
     files = [res.fragment for res in results for _ in res.shards]
     groups = [g for res in results for g in res.row_groups]
     table = shards_table(records, files, groups)
+    claim.check()  # never commit over shards another pack may have rewritten since
     if store.exists(DATASET_JSON):
         # A racing pack of the same plan committed first: leave its manifest untouched.
         raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
@@ -373,6 +385,7 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
     info = dataset_info(table, fields, source_desc, labels, skipped,
                         {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
     commit(store, info)
+    claim.release(ended=False)  # stop the heartbeat first: a late refresh would recreate the claim
     store.remove("_pack", recursive=True)
     elapsed = time.monotonic() - started
     log.info("packed %d samples into %d shards (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],

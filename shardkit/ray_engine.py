@@ -14,7 +14,7 @@ import copy
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError, ShardkitError
 from .packer import PackOptions, TaskResult, completed_task, run_task
@@ -88,7 +88,9 @@ def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: s
 
 
 def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
-                     address: str | None) -> list[TaskResult]:
+                     address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
+    """Run the plan's tasks on Ray, at most a few per CPU at once. ``check`` is called before
+    each task is submitted (the pack's claim: it raises once another pack took over)."""
     ray = ensure_ray(address)
     # The tasks write where this driver plans and commits, whatever endpoint their nodes'
     # environments name (a worker without AWS_ENDPOINT_URL would otherwise go to AWS itself).
@@ -102,6 +104,13 @@ def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOption
     with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
         while todo or pending:
             while todo and len(pending) < max_in_flight:
+                if check is not None:
+                    try:
+                        check()
+                    except BaseException:
+                        for other in pending:
+                            ray.cancel(other)
+                        raise
                 task = todo.pop(0)
                 ref = remote.remote(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts)
                 pending[ref] = task.task

@@ -288,3 +288,135 @@ def test_rerun_with_other_settings_is_told_what_differs(tmp_path):
     info = shardkit.pack(str(src), dest, shard_samples=2, task_bytes="1", on_error="skip", overwrite=True,
                          progress=False)
     assert info["num_samples"] == 6 and [s["key"] for s in info["skipped"]] == ["k9"]
+
+
+# --------------------------------------------------------------------------- one pack at a time
+
+
+def _pause_after_claim(monkeypatch: pytest.MonkeyPatch, thread_name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the pack running in the thread ``thread_name`` right after it has claimed its
+    destination (``_sweep_temp`` is the next step of ``pack``), until ``go`` is set."""
+    import shardkit.packer as packer
+
+    claimed, go = threading.Event(), threading.Event()
+    real = packer._sweep_temp
+
+    def hook(store: Any) -> None:
+        if threading.current_thread().name == thread_name:
+            claimed.set()
+            go.wait(60)
+        real(store)
+
+    monkeypatch.setattr(packer, "_sweep_temp", hook)
+    return claimed, go
+
+
+def _pack_in_thread(name: str, result: dict[str, Any], *args: Any, **kwargs: Any) -> threading.Thread:
+    def run() -> None:
+        try:
+            result["info"] = shardkit.pack(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            result["error"] = exc
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    return t
+
+
+def _objects(fs: Any, prefix: str) -> list[str]:
+    fs.invalidate_cache()
+    return sorted(p[len(prefix) + 1:] for p in fs.find(prefix))
+
+
+def _dataset_objects(ds: Any) -> list[str]:
+    return sorted({"dataset.json", "manifest/shards.parquet", *ds.shards.column("path").to_pylist(),
+                   *ds.shards.column("samples_file").to_pylist()})
+
+
+def test_race_overwrite_refused_while_another_pack_runs(tmp_path, s3_server, s3_bucket, monkeypatch):
+    """Two ``pack --overwrite`` of different inputs at once on one prefix: the second used to
+    overwrite the first's claim and write the same shard names, so the dataset one of them
+    committed pointed at shards the other had replaced (every shard failed verify)."""
+    a_src = image_folder(tmp_path / "a", count=30, side=64)
+    b_src = image_folder(tmp_path / "b", count=20, side=64, seed=1)
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    claimed, go = _pause_after_claim(monkeypatch, "pack-a")
+    result: dict[str, Any] = {}
+    t = _pack_in_thread("pack-a", result, str(a_src), dest, shard_bytes="20KB", labels_from_dirs=True,
+                        overwrite=True, storage_options=opts, progress=False)
+    try:
+        assert claimed.wait(60), result
+        with pytest.raises(DatasetExistsError) as err:
+            shardkit.pack(str(b_src), dest, shard_bytes="20KB", labels_from_dirs=True, overwrite=True,
+                          storage_options=opts, progress=False)
+    finally:
+        go.set()
+        t.join(120)
+    msg = str(err.value)
+    assert dest in msg and "active" in msg and "ago" in msg and "\n" not in msg, msg
+    assert "error" not in result, result.get("error")
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert sorted(ds.samples.column("key").to_pylist()) == _source_keys(a_src)
+    ds.verify(deep=True)
+    assert _objects(s3_server.filesystem(), dest[5:]) == _dataset_objects(ds)
+
+
+def test_pack_whose_claim_was_taken_over_does_not_commit(tmp_path, s3_server, s3_bucket, monkeypatch):
+    """A pack stalled so long that another ``--overwrite`` took its destination over (here:
+    every claim counts as stale at once) stops without writing or committing anything more."""
+    import shardkit.claim
+
+    a_src = image_folder(tmp_path / "a", count=30, side=64)
+    b_src = image_folder(tmp_path / "b", count=20, side=64, seed=1)
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    claimed, go = _pause_after_claim(monkeypatch, "pack-a")
+    result: dict[str, Any] = {}
+    t = _pack_in_thread("pack-a", result, str(a_src), dest, shard_bytes="20KB", labels_from_dirs=True,
+                        storage_options=opts, progress=False)
+    try:
+        assert claimed.wait(60), result
+        monkeypatch.setattr(shardkit.claim, "STALE_SECONDS", 0.0)
+        info = shardkit.pack(str(b_src), dest, shard_bytes="20KB", labels_from_dirs=True, overwrite=True,
+                             storage_options=opts, progress=False)
+    finally:
+        go.set()
+        t.join(120)
+    assert isinstance(result.get("error"), DatasetExistsError), result
+    assert "took over" in str(result["error"]) and dest in str(result["error"])
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert ds.info["created"] == info["created"]
+    assert sorted(ds.samples.column("key").to_pylist()) == _source_keys(b_src)
+    ds.verify(deep=True)
+    assert _objects(s3_server.filesystem(), dest[5:]) == _dataset_objects(ds)
+
+
+def test_claim_heartbeat_and_release(tmp_path, monkeypatch):
+    """The holder refreshes its heartbeat; a claim marked ended (its pack failed) is free at once;
+    a holder sees when its claim was taken."""
+    import json
+
+    import shardkit.claim
+    from shardkit.claim import CLAIM, Claim
+    from shardkit.storage import Store
+
+    monkeypatch.setattr(shardkit.claim, "HEARTBEAT_SECONDS", 0.05)
+    store = Store(str(tmp_path / "ds"))
+    a = Claim(store, "plan-a", {"x": 1})
+    a.take(overwrite=False)
+    first = json.loads(store.read_bytes(CLAIM))["heartbeat"]
+    deadline = time.monotonic() + 10
+    while json.loads(store.read_bytes(CLAIM))["heartbeat"] == first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert json.loads(store.read_bytes(CLAIM))["heartbeat"] > first
+    b = Claim(store, "plan-b", {"x": 2})
+    with pytest.raises(DatasetExistsError, match="being packed by another pack"):
+        b.take(overwrite=True)
+    a.release(ended=True)
+    b.take(overwrite=True)
+    assert not b.resumed and json.loads(store.read_bytes(CLAIM))["token"] == b.token
+    with pytest.raises(DatasetExistsError, match="took over"):
+        a.check()
+    b.check()
+    b.release(ended=False)
