@@ -20,6 +20,7 @@ from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from .manifest import (
     DATASET_JSON,
+    SHARDS_PARQUET,
     commit,
     dataset_info,
     fragment_name,
@@ -200,13 +201,18 @@ def _refuse_committed(store: Store) -> None:
 
 
 def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: bool = True) -> None:
-    """With this pack's claim held: refuse a committed dataset (unless ``overwrite``), and
-    remove it (or, not ``resumable``, whatever an earlier run left)."""
+    """With this pack's claim held: refuse a committed dataset (unless ``overwrite``), and remove
+    what shardkit wrote there before unless this pack resumes it (the same plan, ``resumable``).
+
+    With ``overwrite`` that is everything, committed or not: shards an unfinished pack of more
+    shards left would otherwise stay beside the new ones, where ``shardkit index`` and outside
+    WebDataset readers find them.
+    """
     committed = store.exists(DATASET_JSON)
     if committed and not overwrite:
         claim.drop()
         _refuse_committed(store)
-    if committed or not resumable:
+    if committed or (overwrite and not claim.resumed) or not resumable:
         store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
         for prefix in ("shards", "manifest"):
             store.remove(prefix, recursive=True)
@@ -224,6 +230,16 @@ def _listing(store: Store, folder: str) -> list[str]:
         return store.glob(f"{folder}/*")
     finally:
         store.fs.invalidate_cache(store.path(folder))
+
+
+def _sweep_strays(store: Store, results: list[TaskResult]) -> None:
+    """Remove objects under shards/ and manifest/ that are not this pack's: a committed dataset
+    holds only its own shards (outside readers take every tar under shards/)."""
+    ours = {r.path for res in results for r in res.shards} | {res.fragment for res in results}
+    for rel in _listing(store, "shards") + _listing(store, "manifest"):
+        if rel not in ours and rel != SHARDS_PARQUET:
+            log.info("removing %s, which is not part of this pack", store.url_of(rel))
+            store.remove(rel, recursive=True)
 
 
 def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, engine: str = "local", *,
@@ -379,6 +395,7 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
     if store.exists(DATASET_JSON):
         # A racing pack of the same plan committed first: leave its manifest untouched.
         raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
+    _sweep_strays(store, results)
     write_shards_table(store, table)
     fields = sorted({f for res in results for f in res.fields})
     skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]

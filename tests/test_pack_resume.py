@@ -392,6 +392,96 @@ def test_pack_whose_claim_was_taken_over_does_not_commit(tmp_path, s3_server, s3
     assert _objects(s3_server.filesystem(), dest[5:]) == _dataset_objects(ds)
 
 
+def test_overwrite_of_killed_pack_removes_everything_it_wrote(tmp_path, s3_server, s3_bucket):
+    """A pack killed with SIGKILL (no dataset.json), then another input packed there with
+    ``--overwrite``: the dead pack's extra shards used to stay under shards/, where
+    ``shardkit index`` and outside WebDataset readers found them."""
+    src = image_folder(tmp_path / "imgs", count=120, side=64)
+    total = sum(p.stat().st_size for p in src.rglob("*.jpg"))
+    dest = f"{s3_bucket}/ds"
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--labels-from-dirs",
+           "--shard-size", str(total // 60), "--quiet"]
+    fs = s3_server.filesystem()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = _wait_for_shards(fs, dest[5:], 8, proc, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert seen > 0, "the pack finished (or failed) before it could be killed: make the source slower"
+    other = image_folder(tmp_path / "other", count=12, side=64, seed=2)
+    opts = s3_server.storage_options()
+    with pytest.raises(DatasetExistsError, match="--overwrite"):
+        shardkit.pack(str(other), dest, shard_samples=5, labels_from_dirs=True, storage_options=opts, progress=False)
+    info = shardkit.pack(str(other), dest, shard_samples=5, labels_from_dirs=True, overwrite=True,
+                         storage_options=opts, progress=False)
+    assert info["num_shards"] == 3
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert _objects(fs, dest[5:]) == _dataset_objects(ds)
+    ds.verify(deep=True)
+
+
+def _small_folder(root: Path, n: int = 6) -> Path:
+    root.mkdir()
+    for i in range(n):
+        (root / f"k{i}.bin").write_bytes(bytes([i]) * 100)
+    return root
+
+
+def test_claim_held_elsewhere_is_refused_while_fresh_and_taken_over_when_stale(tmp_path):
+    """A claim written by a pack on another machine: only its heartbeat tells whether it runs."""
+    import json
+
+    import shardkit.claim
+
+    src = _small_folder(tmp_path / "src")
+    dest = tmp_path / "ds"
+    (dest / "_pack").mkdir(parents=True)
+    (dest / "shards").mkdir()
+    (dest / "shards" / "shard-000042.tar").write_bytes(b"left by the other pack")
+    claim = {"plan_id": "elsewhere-plan", "token": "t0", "started": time.time() - 600, "heartbeat": time.time() - 5,
+             "ended": None, "host": "otherhost", "pid": 1, "machine": "another-machine", "settings": {}}
+    (dest / "_pack" / "plan.json").write_text(json.dumps(claim))
+    for overwrite, hint in ((True, "rerun in"), (False, "wait for it to finish")):
+        with pytest.raises(DatasetExistsError) as err:
+            shardkit.pack(str(src), str(dest), shard_samples=2, overwrite=overwrite, progress=False)
+        msg = str(err.value)
+        assert str(dest) in msg and "last active 5s ago on otherhost, pid 1" in msg and hint in msg, msg
+        assert "\n" not in msg
+    assert (dest / "shards" / "shard-000042.tar").exists()
+    claim["heartbeat"] = time.time() - shardkit.claim.STALE_SECONDS - 1
+    (dest / "_pack" / "plan.json").write_text(json.dumps(claim))
+    with pytest.raises(DatasetExistsError, match="--overwrite"):
+        shardkit.pack(str(src), str(dest), shard_samples=2, progress=False)
+    info = shardkit.pack(str(src), str(dest), shard_samples=2, overwrite=True, progress=False)
+    assert info["num_shards"] == 3
+    left = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert left == ["dataset.json", "manifest/samples-00000.parquet", "manifest/shards.parquet",
+                    "shards/shard-000000.tar", "shards/shard-000001.tar", "shards/shard-000002.tar"], left
+
+
+def test_committed_dataset_holds_only_its_own_shards(tmp_path):
+    """Objects under shards/ and manifest/ that are not the pack's own are removed before it
+    commits: outside WebDataset readers and ``shardkit index`` take every tar there."""
+    src = _small_folder(tmp_path / "src")
+    dest = tmp_path / "ds"
+    (dest / "shards").mkdir(parents=True)
+    (dest / "manifest").mkdir()
+    (dest / "shards" / "shard-000099.tar").write_bytes(b"stray")
+    (dest / "manifest" / "samples-00077.parquet").write_bytes(b"stray")
+    shardkit.pack(str(src), str(dest), shard_samples=3, progress=False)
+    ds = shardkit.open_dataset(str(dest))
+    left = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert left == _dataset_objects(ds), left
+    for iterable in (False, True):  # an iterable pack, and a pack replacing a dataset, as well
+        (dest / "shards" / "shard-000099.tar").write_bytes(b"stray")
+        items = [{"__key__": f"x{i}", "txt": "y"} for i in range(4)]
+        shardkit.pack(items if iterable else str(src), str(dest), shard_samples=3, overwrite=True, progress=False)
+        ds = shardkit.open_dataset(str(dest))
+        assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == _dataset_objects(ds)
+
+
 def test_claim_heartbeat_and_release(tmp_path, monkeypatch):
     """The holder refreshes its heartbeat; a claim marked ended (its pack failed) is free at once;
     a holder sees when its claim was taken."""
