@@ -259,6 +259,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if self.cache_dir is None:
             source = ShardSource(self.ds, None, prefetch, max_open=window)
             source.verify = self.verify
+            source.ahead_segments = window if self.shuffle else prefetch
             return source
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
         budget = self._pin_budget(topo)

@@ -30,7 +30,7 @@ Run = tuple[int, np.ndarray]
 # Samples closer than this share a read: a small gap costs less to read than one more request.
 # Not much larger: the gaps between a worker's batches are its siblings' batches, and every
 # byte of them read would be read once per worker (the traffic this module removes).
-GAP_BYTES = 256 << 10
+GAP_BYTES = 1 << 20
 # A segment's size, about: bounds what a reader holds per shard it reads from (one sample
 # bigger than this is a segment of its own).
 SEGMENT_BYTES = 64 << 20

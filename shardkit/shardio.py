@@ -178,6 +178,10 @@ class ShardSource:
         # Without a cache: which byte segments of each shard this reader reads (set by the reader).
         self.segment_plan: SegmentPlanner | None = None
         self.verify = True  # check each sample read without a cache (the cache checks its shards)
+        # Segments' worth of bytes read ahead without a cache: ``prefetch``, or with a shuffle
+        # the block's shards too (a shuffle needs all of them at once: reading them a few at a
+        # time left the reader waiting on each in turn; set by the reader).
+        self.ahead_segments = prefetch
         # Keep cached shards' maps across epochs (zero-copy reads; see keptmaps).
         self.keep_maps = False
         # The reader only copies members out of held shards (raw batches): cold downloads may
@@ -380,15 +384,15 @@ class ShardSource:
         return view
 
     def _read_ahead(self, window: Sequence[Run]) -> None:
-        """Start reading the next segments in need order, up to ``prefetch`` segments' worth
-        of bytes (``SEGMENT_BYTES`` each) in flight or waiting, and at least one."""
+        """Start reading the next segments in need order, up to ``ahead_segments`` segments'
+        worth of bytes (``SEGMENT_BYTES`` each) in flight or waiting, and at least one."""
         if not self.prefetch or not window:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(self.prefetch, READ_AHEAD_THREADS),
                                             thread_name_prefix="shardkit-readahead")
         assert self.segment_plan is not None
-        budget = self.prefetch * segments.SEGMENT_BYTES
+        budget = max(self.ahead_segments, 1) * segments.SEGMENT_BYTES
         pending = sum(hi - lo for lo, hi in map(self._bounds, self._ahead))
         for key in self.segment_plan.segments_of(window):
             if key in self._held or key in self._ahead:
