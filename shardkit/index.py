@@ -27,7 +27,7 @@ from .keyledger import KeyLedger
 from .manifest import (DATASET_JSON, commit, dataset_info, fragment_name, parquet_file, shards_table, write_fragment,
                        write_shards_table)
 from .progress import Progress
-from .storage import RETRY_ATTEMPTS, Store, is_transient, translate
+from .storage import Store, attempts_for, is_transient, pause_before_retry, translate
 from .tarscan import TarMember, group_members, scan_tar, split_name
 from .writer import SampleRows, ShardRecord
 
@@ -92,18 +92,20 @@ class _OnePass:
         return raw
 
     def _read_raw(self, n: int) -> bytes:
-        for attempt in range(RETRY_ATTEMPTS):
+        failures = 0
+        while True:
             try:
                 if self._raw is None:
                     self._raw = self._open()
                 return self._raw.read(n)
             except Exception as exc:  # noqa: BLE001 - classified below
                 self.close()
-                if attempt + 1 < RETRY_ATTEMPTS and is_transient(exc):
-                    time.sleep(min(5.0, 0.2 * 2**attempt))
+                failures += 1
+                budget = attempts_for(exc)
+                if failures < budget and is_transient(exc):
+                    pause_before_retry(exc, self.rel, self.store.where, failures, budget)
                     continue
                 raise translate(exc, self.rel, self.store.where) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _ensure(self, n: int) -> None:
         """Make at least ``n`` unconsumed bytes available (fewer only at end of file)."""
