@@ -49,6 +49,19 @@ def _wait_for_shards(fs: Any, prefix: str, count: int, proc: subprocess.Popen[by
     return 0
 
 
+def _kill_after_shards(cmd: list[str], env: dict[str, str], fs: Any, dest: str, n: int) -> int:
+    """Run the CLI pack ``cmd`` and SIGKILL it once ``n`` shards are in storage at ``dest``
+    (an s3:// URL); returns the shards seen."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = _wait_for_shards(fs, dest[5:], n, proc, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert seen > 0, "the pack finished (or failed) before it could be killed: make the source slower"
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["local", "ray"])
 def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket, engine, request):
@@ -65,13 +78,7 @@ def test_killed_driver_resumes(tmp_path, s3_server, s3_bucket, engine, request):
     cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--engine", engine, "--labels-from-dirs",
            "--shard-size", shard, "--quiet"]
     fs = s3_server.filesystem()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        seen = _wait_for_shards(fs, dest[5:], 12, proc, timeout=60)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-    assert seen > 0, "the pack finished (or failed) before it could be killed: make the source slower"
+    _kill_after_shards(cmd, env, fs, dest, 12)
     assert not fs.exists(f"{dest[5:]}/dataset.json")
     with pytest.raises(shardkit.errors.DatasetNotFoundError):
         shardkit.open_dataset(dest, storage_options=s3_server.storage_options())
@@ -403,13 +410,7 @@ def test_overwrite_of_killed_pack_removes_everything_it_wrote(tmp_path, s3_serve
     cmd = [sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--labels-from-dirs",
            "--shard-size", str(total // 60), "--quiet"]
     fs = s3_server.filesystem()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        seen = _wait_for_shards(fs, dest[5:], 8, proc, timeout=60)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
-    assert seen > 0, "the pack finished (or failed) before it could be killed: make the source slower"
+    _kill_after_shards(cmd, env, fs, dest, 8)
     other = image_folder(tmp_path / "other", count=12, side=64, seed=2)
     opts = s3_server.storage_options()
     with pytest.raises(DatasetExistsError, match="--overwrite"):
