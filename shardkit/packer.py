@@ -274,6 +274,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             and not hasattr(source, "__fspath__"):
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
+        if hdf5_rows is not None or labels_from_dirs:
+            raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
+                              "path, not to an iterable of samples (give each sample its fields)")
         return _pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing

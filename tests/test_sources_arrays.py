@@ -484,3 +484,14 @@ def test_relative_source_paths_load_from_any_working_directory(tmp_path, monkeyp
     task_src = pickle.loads(pickle.dumps(src))
     sample = task_src.load(items[0])
     assert sample.fields, sample
+
+
+@pytest.mark.parametrize("option", [{"hdf5_rows": "data"}, {"labels_from_dirs": True}])
+def test_source_path_options_with_an_iterable_are_refused(tmp_path, option):
+    # They were ignored: the samples were packed without what the option asked for.
+    import shardkit
+    from shardkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{next(iter(option))}: applies to a source path"):
+        shardkit.pack(iter([{"__key__": "a", "bin": b"x"}]), str(tmp_path / "ds"), progress=False, **option)
+    assert not (tmp_path / "ds").exists()
