@@ -274,7 +274,8 @@ class ShardSource:
         held = self._held.get(key)
         if held is not None:
             return held
-        self.release(window)
+        upcoming = self._keys(window)  # once: release and read-ahead both walk it
+        self.release(upcoming)
         t0 = time.perf_counter()
         if self.cache is not None:
             handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
@@ -285,8 +286,14 @@ class ShardSource:
         self.wait_seconds += time.perf_counter() - t0
         self._held[key] = held
         if self.cache is None:
-            self._read_ahead(window)
+            self._read_ahead(upcoming)
         return held
+
+    def _keys(self, window: Sequence[Run]) -> Sequence[HeldKey]:
+        """What the runs of ``window`` need held, in need order (see :meth:`_key`)."""
+        if self.segment_plan is not None:
+            return self.segment_plan.segments_of(window)
+        return [s for s, _ in window]
 
     def _key(self, shard: int, positions: np.ndarray) -> HeldKey:
         """What is held: a cached shard, or a (shard, segment) read without the cache."""
@@ -320,13 +327,12 @@ class ShardSource:
         for shard in list(self._held):
             self._drop(shard)
 
-    def release(self, window: Sequence[Run]) -> None:
-        """Close held shards (segments) the window no longer needs (and the oldest shards
-        beyond ``max_open``)."""
+    def release(self, upcoming: Sequence[HeldKey]) -> None:
+        """Close held shards (segments) not in ``upcoming`` (and the oldest shards beyond
+        ``max_open``)."""
         if not self._held:
             return
-        needed: set[HeldKey] = (set(self.segment_plan.segments_of(window)) if self.segment_plan is not None
-                                else {s for s, _ in window})
+        needed = set(upcoming)
         for key in [key for key in self._held if key not in needed]:
             self._drop(key)
         while self.cache is not None and len(self._held) >= self.max_open:
@@ -352,9 +358,8 @@ class ShardSource:
 
     def _direct(self, key: tuple[int, int]) -> Held:
         ahead = self._ahead.pop(key, None)
-        job = self._segment_job(key)
-        data = ahead.result() if ahead is not None else self._read_segment(*job)
-        return Held(job[3], job[4], data=data)  # its samples were checked as it was read
+        data = ahead.result() if ahead is not None else self._read_segment(*self._segment_job(key))
+        return Held(*self._bounds(key), data=data)  # its samples were checked as it was read
 
     def _bounds(self, key: tuple[int, int]) -> tuple[int, int]:
         assert self.segment_plan is not None
@@ -383,20 +388,20 @@ class ShardSource:
             verify_samples(view, lo, rows, positions, f"shard {info.shard} ({info.path})")
         return view
 
-    def _read_ahead(self, window: Sequence[Run]) -> None:
-        """Start reading the next segments in need order, up to ``ahead_segments`` segments'
-        worth of bytes (``SEGMENT_BYTES`` each) in flight or waiting, and at least one."""
-        if not self.prefetch or not window:
+    def _read_ahead(self, upcoming: Sequence[HeldKey]) -> None:
+        """Start reading the ``upcoming`` segments in need order, up to ``ahead_segments``
+        segments' worth of bytes (``SEGMENT_BYTES`` each) in flight or waiting, and at least one."""
+        if not self.prefetch or not upcoming:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(self.prefetch, READ_AHEAD_THREADS),
                                             thread_name_prefix="shardkit-readahead")
-        assert self.segment_plan is not None
         budget = max(self.ahead_segments, 1) * segments.SEGMENT_BYTES
         pending = sum(hi - lo for lo, hi in map(self._bounds, self._ahead))
-        for key in self.segment_plan.segments_of(window):
+        for key in upcoming:
             if key in self._held or key in self._ahead:
                 continue
+            assert isinstance(key, tuple)
             lo, hi = self._bounds(key)
             if (self._ahead and pending + (hi - lo) > budget) or len(self._ahead) >= MAX_READS_AHEAD:
                 break
