@@ -367,7 +367,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 view, base = held.view, held.base
                 stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
                 for p in todo[i:stop]:
-                    sample = decoder(sample_dict(view, base, rows, p, first + p, path, verify=False))
+                    sample = decoder(sample_dict(view, base, rows, p, first + p, path))
                     n += 1
                     if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
                         if isinstance(sample, dict):  # raw fields: copies, not views of what we unpin
@@ -548,7 +548,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
             for k in p.tolist():
                 samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
-                                           infos[shard].path, verify=False))
+                                           infos[shard].path))
         return samples
 
     # ---- statistics -----------------------------------------------------------------------

@@ -378,7 +378,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             view, base = cached.buffer(), 0
         else:
             view, base = self._read_sample(info, rows, pos, i).data, int(rows.offset[pos])
-        return self._decoder(sample_dict(view, base, rows, pos, i, info.path, verify=False))
+        return self._decoder(sample_dict(view, base, rows, pos, i, info.path))
 
     def _read(self, info: ShardInfo, start: int, end: int, out: np.ndarray | memoryview | bytearray) -> None:
         read_into(self.ds.store, info.path, start, end, out, self.part_size, self.concurrency,
