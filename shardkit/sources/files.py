@@ -175,8 +175,9 @@ class FolderSource:
         first = None
         for rel in json.loads(item.ref):
             first = first or rel
-            value = fields[_field(rel)] = read_field(root / rel)
-            check_image(root / rel, _field(rel), value)
+            name = _field(rel)
+            fields[name] = read_field(root / rel)
+            check_image(root / rel, name, fields[name])
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
