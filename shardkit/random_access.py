@@ -194,7 +194,6 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     def _init_process(self) -> None:
         self._pid = os.getpid()
         self._decoder = make_decoder(self.decode)
-        self._rows = _LRU(64)
         self._headers = _LRU(4096)
         self._open = _LRU(self.max_open_shards, on_evict=lambda c: c.close())
         self._verified: set[tuple[int, int]] = set()
@@ -260,11 +259,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
     def _shard_rows(self, shard: int) -> ShardRows:
         self._local()
-        rows = self._rows.get_fresh(shard)
-        if rows is None:
-            rows = self.ds.shard_rows(shard)
-            self._rows.put(shard, rows)
-        return rows
+        return self.ds.cached_rows(shard)
 
     def index_of(self, key: str) -> int:
         """Global index of the sample with ``key`` (SampleNotFoundError if none).
@@ -359,7 +354,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         else:  # a big sample through pread: the mapping's pages are not touched, RSS stays flat
             got = _hash_file(cached.path, start, size)
         if got != int(rows.checksum[pos]):
-            raise IntegrityError(f"sample {rows.keys[pos]!r} (index {index}) in cached {info.path} fails its "
+            raise IntegrityError(f"sample {rows.key(pos)!r} (index {index}) in cached {info.path} fails its "
                                  f"checksum (corrupt cache file {cached.path})")
         if len(self._verified) > 1_000_000:
             self._verified.clear()
@@ -387,26 +382,26 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     def _read_sample(self, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
         start, size = int(rows.offset[pos]), int(rows.size[pos])
         if start < 0 or start + size > info.bytes:
-            raise ManifestError(f"sample {rows.keys[pos]!r} (index {index}): bytes [{start}, {start + size}) lie "
+            raise ManifestError(f"sample {rows.key(pos)!r} (index {index}): bytes [{start}, {start + size}) lie "
                                 f"beyond {info.path} ({info.bytes} bytes)")
         buf = np.empty(size, dtype=np.uint8)
         for attempt in (1, 2):  # a second read tells corruption in transit from corruption at rest
             self._read(info, start, start + size, buf)
             if xxhash.xxh3_64_intdigest(buf.data) == int(rows.checksum[pos]):
                 return buf
-            log.warning("sample %r (index %d) in %s failed its checksum (attempt %d)", rows.keys[pos], index,
+            log.warning("sample %r (index %d) in %s failed its checksum (attempt %d)", rows.key(pos), index,
                         info.path, attempt)
-        raise IntegrityError(f"sample {rows.keys[pos]!r} (index {index}) in {info.path} fails its checksum "
+        raise IntegrityError(f"sample {rows.key(pos)!r} (index {index}) in {info.path} fails its checksum "
                              "(corrupt bytes on storage)")
 
     # ---- partial reads of .npy members ----------------------------------------------------
 
     def _field(self, rows: ShardRows, pos: int, field: str, index: int) -> tuple[int, int]:
-        names = rows.field_names[pos]
+        names, offs, sizes = rows.fields(pos)
         if field not in names:
-            raise ConfigError(f"sample {rows.keys[pos]!r} (index {index}) has no field {field!r} (fields: {names})")
+            raise ConfigError(f"sample {rows.key(pos)!r} (index {index}) has no field {field!r} (fields: {names})")
         j = names.index(field)
-        return int(rows.field_offset[pos][j]), int(rows.field_size[pos][j])
+        return int(offs[j]), int(sizes[j])
 
     def npy_header(self, index: int, field: str = "npy") -> NpyHeader:
         """dtype, shape, order and data offset of a ``.npy`` member (one small ranged read, cached)."""
@@ -422,7 +417,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         hit = self._headers.get_fresh(key)
         if hit is not None:
             return hit  # type: ignore[no-any-return]
-        name = f"sample {rows.keys[pos]!r} (index {index}) field {field!r}"
+        name = f"sample {rows.key(pos)!r} (index {index}) field {field!r}"
 
         def head(n: int) -> bytes:
             n = min(n, size)
@@ -478,7 +473,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         if cached is not None:
             self._verify_cached(cached, info, srows, pos, i)
             arr = npy_view(cached.buffer()[offset:offset + size])
-            return arr if rows is None else arr[self._rows_sel(arr.shape, rows, srows.keys[pos], i, field)]
+            return arr if rows is None else arr[self._rows_sel(arr.shape, rows, srows.key(pos), i, field)]
         hdr = self._header(info, srows, pos, i, field, offset, size, None)
         if rows is None or hdr.fortran:
             # Fortran order: a row is strided through the whole array, so the whole array is read.
@@ -486,8 +481,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             self._read(info, hdr.data_offset, offset + size, _bytes_of(whole))
             if rows is None:
                 return whole
-            return np.ascontiguousarray(whole[self._rows_sel(hdr.shape, rows, srows.keys[pos], i, field)])
-        sel = self._rows_sel(hdr.shape, rows, srows.keys[pos], i, field)
+            return np.ascontiguousarray(whole[self._rows_sel(hdr.shape, rows, srows.key(pos), i, field)])
+        sel = self._rows_sel(hdr.shape, rows, srows.key(pos), i, field)
         picked = range(sel, sel + 1) if isinstance(sel, int) else range(*sel.indices(hdr.shape[0]))
         if not picked:
             return np.empty((0,) + hdr.shape[1:], dtype=hdr.dtype)

@@ -52,14 +52,30 @@ _MEMO_DATASETS = 8
 # shards are spread over all of them would otherwise end up holding all of them, in every
 # DataLoader worker.
 FRAGMENT_BYTES = 64 * 2**20
+# Parsed manifest rows a process keeps per dataset (least recently parsed go first): by bytes,
+# not shards, as a shard of small samples has hundreds of thousands of rows.
+ROWS_BYTES = 256 * 2**20
 VERIFY_NAMED = 5  # failing shards a verify error names in its one line
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Member offsets of one shard as (samples x fields) arrays, when every sample of the
+    shard has the same fields (the common case); lets a batch be sliced with numpy."""
+
+    names: tuple[str, ...]
+    offs: np.ndarray
+    sizes: np.ndarray
+    keys: list[str]
 
 
 class ShardRows:
     """The manifest rows of one shard as numpy columns (cheap to slice per sample).
 
-    The per-sample Python lists (keys, field names/offsets/sizes) are built on first use:
-    the batched reader slices whole shards with numpy and never needs them.
+    No Python object is kept per sample but the keys, and those only once a reader iterates
+    the shard (``keys``; a random access reads one key from the Arrow column): a 512 MB shard
+    of small samples has ~250,000 rows, and every DataLoader worker of every rank holds some.
+    Fields are flat arrays, each sample's a slice of them (``fields``).
     """
 
     COLUMNS = ("key", "offset", "size", "fields", "checksum")
@@ -74,32 +90,67 @@ class ShardRows:
         return self.table.num_rows
 
     @functools.cached_property
-    def keys(self) -> list[str]:
-        return self.table.column("key").to_pylist()
+    def _key_column(self) -> pa.Array:
+        return self.table.column("key").combine_chunks()
 
     @functools.cached_property
-    def _fields(self) -> tuple[list[list[str]], list[np.ndarray], list[np.ndarray]]:
+    def keys(self) -> list[str]:
+        """Every key as a str (~90 B a sample): for readers that go through the shard."""
+        return self._key_column.to_pylist()
+
+    def key(self, i: int) -> str:
+        keys = self.__dict__.get("keys")
+        return keys[i] if keys is not None else self._key_column[i].as_py()
+
+    @functools.cached_property
+    def _fields(self) -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+        """(bounds, distinct names, name codes, offsets, sizes): sample i's fields are entries
+        bounds[i]:bounds[i + 1] of the flat arrays, its names ``names[codes[...]]``."""
         fields = self.table.column("fields").combine_chunks()
         flat = fields.flatten()
-        names = flat.field("name").to_pylist()
-        offs = flat.field("offset").to_numpy()
-        sizes = flat.field("size").to_numpy()
-        b = fields.offsets.to_numpy().tolist()
+        names = flat.field("name").dictionary_encode()
+        return (fields.offsets.to_numpy(), tuple(names.dictionary.to_pylist()), names.indices.to_numpy(),
+                flat.field("offset").to_numpy(), flat.field("size").to_numpy())
+
+    def fields(self, i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Sample ``i``'s field names, member offsets and sizes."""
+        bounds, names, codes, offs, sizes = self._fields
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        return [names[c] for c in codes[lo:hi].tolist()], offs[lo:hi], sizes[lo:hi]
+
+    @functools.cached_property
+    def layout(self) -> FieldLayout | None:
+        """The shard's :class:`FieldLayout`, or None when its samples' fields differ."""
         n = len(self)
-        return ([names[b[i]:b[i + 1]] for i in range(n)], [offs[b[i]:b[i + 1]] for i in range(n)],
-                [sizes[b[i]:b[i + 1]] for i in range(n)])
+        if n == 0:
+            return None
+        fields = self.table.column("fields").combine_chunks()
+        bounds = fields.offsets.to_numpy()
+        nf = int(bounds[1] - bounds[0])
+        if nf == 0 or not bool(np.all(np.diff(bounds) == nf)):
+            return None
+        flat = fields.flatten()
+        names = tuple(flat.field("name").slice(int(bounds[0]), nf).to_pylist())
+        all_names = np.asarray(flat.field("name").to_numpy(zero_copy_only=False), dtype=object).reshape(n, nf)
+        if not bool(np.all(all_names == np.asarray(names, dtype=object)[None, :])):
+            return None
+        offs = flat.field("offset").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
+        sizes = flat.field("size").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
+        return FieldLayout(names, np.ascontiguousarray(offs), np.ascontiguousarray(sizes), self.keys)
 
     @property
-    def field_names(self) -> list[list[str]]:
-        return self._fields[0]
-
-    @property
-    def field_offset(self) -> list[np.ndarray]:
-        return self._fields[1]
-
-    @property
-    def field_size(self) -> list[np.ndarray]:
-        return self._fields[2]
+    def nbytes(self) -> int:
+        """Memory held, roughly: the Arrow rows, numpy columns, and what was built since."""
+        n = len(self)
+        held = self.table.nbytes + self.offset.nbytes + self.size.nbytes + self.checksum.nbytes
+        if "keys" in self.__dict__:  # a list slot and a str header per key, and its characters
+            held += n * (8 + 49) + self._key_column.nbytes
+        if "_fields" in self.__dict__:
+            held += sum(a.nbytes for a in self._fields if isinstance(a, np.ndarray))
+        layout = self.__dict__.get("layout")
+        if layout is not None:
+            held += layout.offs.nbytes + layout.sizes.nbytes
+        return held
 
 
 class Dataset:
@@ -279,6 +330,18 @@ class Dataset:
         # the source paths and metadata, and every fresh DataLoader worker does it per shard.
         return ShardRows(self.shard_samples(shard, columns=ShardRows.COLUMNS))
 
+    def cached_rows(self, shard: int) -> ShardRows:
+        """:meth:`shard_rows`, kept in this process's memo of the dataset (shared by its
+        readers) within :data:`ROWS_BYTES`; the rows just parsed always stay."""
+        memo: dict[int, ShardRows] = self.memo("rows")
+        rows = memo.get(shard)
+        if rows is None:
+            rows = memo[shard] = self.shard_rows(shard)
+            total = sum(r.nbytes for r in memo.values())
+            while total > ROWS_BYTES and len(memo) > 1:
+                total -= memo.pop(next(iter(memo))).nbytes
+        return rows
+
     def _empty_rows(self) -> pa.Table:
         for info in self.shard_list:
             if info.num_samples:
@@ -396,10 +459,10 @@ def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_pa
     start = int(rows.offset[i]) - base
     end = start + int(rows.size[i])
     if start < 0 or end > len(view):
-        raise IntegrityError(f"sample {rows.keys[i]!r} in {shard_path}: bytes [{start + base}, {end + base}) beyond the data")
+        raise IntegrityError(f"sample {rows.key(i)!r} in {shard_path}: bytes [{start + base}, {end + base}) beyond the data")
     got = xxhash.xxh3_64_intdigest(view[start:end])
     if got != int(rows.checksum[i]):
-        raise IntegrityError(f"sample {rows.keys[i]!r} in {shard_path} fails its checksum (corrupt bytes)")
+        raise IntegrityError(f"sample {rows.key(i)!r} in {shard_path} fails its checksum (corrupt bytes)")
 
 
 def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, shard_path: str) -> None:
@@ -415,9 +478,8 @@ def sample_dict(view: memoryview, base: int, rows: ShardRows, i: int, index: int
     """Slice sample ``i`` of a shard out of ``view`` (which starts at shard byte ``base``; its
     bytes already verified)."""
     sample: dict[str, Any] = {"__key__": rows.keys[i], "__index__": index, "__shard__": shard_path}
-    offs = rows.field_offset[i]
-    sizes = rows.field_size[i]
-    for j, name in enumerate(rows.field_names[i]):
+    names, offs, sizes = rows.fields(i)
+    for j, name in enumerate(names):
         start = int(offs[j]) - base
         sample[name] = view[start:start + int(sizes[j])]
     return sample

@@ -17,7 +17,6 @@ import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import BinaryIO, Callable, Sequence, Union
 
 import numpy as np
@@ -25,7 +24,7 @@ import xxhash
 
 from . import ranged, segments
 from .cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
-from .reader import Dataset, ShardInfo, ShardRows, verify_samples
+from .reader import Dataset, FieldLayout, ShardInfo, ShardRows, verify_samples
 from .segments import SegmentPlanner
 from .storage import Store
 
@@ -55,36 +54,6 @@ def cache_namespace(ds: Dataset) -> str:
 
 def shard_ref(info: ShardInfo) -> ShardRef:
     return ShardRef(info.path, info.bytes, info.checksum)
-
-
-@dataclass(frozen=True)
-class FieldLayout:
-    """Member offsets of one shard as (samples x fields) arrays, when every sample of the
-    shard has the same fields (the common case); lets a batch be sliced with numpy."""
-
-    names: tuple[str, ...]
-    offs: np.ndarray
-    sizes: np.ndarray
-    keys: list[str]
-
-
-def field_layout(rows: ShardRows) -> FieldLayout | None:
-    n = len(rows)
-    if n == 0:
-        return None
-    fields = rows.table.column("fields").combine_chunks()
-    bounds = fields.offsets.to_numpy()
-    nf = int(bounds[1] - bounds[0])
-    if nf == 0 or not bool(np.all(np.diff(bounds) == nf)):
-        return None
-    flat = fields.flatten()
-    names = tuple(flat.field("name").slice(int(bounds[0]), nf).to_pylist())
-    all_names = np.asarray(flat.field("name").to_numpy(zero_copy_only=False), dtype=object).reshape(n, nf)
-    if not bool(np.all(all_names == np.asarray(names, dtype=object)[None, :])):
-        return None
-    offs = flat.field("offset").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
-    sizes = flat.field("size").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
-    return FieldLayout(names, np.ascontiguousarray(offs), np.ascontiguousarray(sizes), rows.keys)
 
 
 class Held:
@@ -169,8 +138,6 @@ class ShardSource:
         self.wait_seconds = 0.0
         # Per process and dataset, not per source: persistent workers open a new source
         # every epoch, and the manifest rows of a shard never change.
-        self._rows: dict[int, ShardRows] = ds.memo("rows")
-        self._layouts: dict[int, FieldLayout | None] = ds.memo("layouts")
         self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
         self._pool: ThreadPoolExecutor | None = None
@@ -194,20 +161,10 @@ class ShardSource:
     # ---- manifest rows --------------------------------------------------------------------
 
     def rows(self, shard: int) -> ShardRows:
-        rows = self._rows.get(shard)
-        if rows is None:
-            if len(self._rows) > 64:  # bound memory: rows of far-away shards are re-read if needed
-                self._rows.pop(next(iter(self._rows)))
-            rows = self.ds.shard_rows(shard)
-            self._rows[shard] = rows
-        return rows
+        return self.ds.cached_rows(shard)
 
     def layout(self, shard: int) -> FieldLayout | None:
-        if shard not in self._layouts:
-            if len(self._layouts) > 64:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[shard] = field_layout(self.rows(shard))
-        return self._layouts[shard]
+        return self.rows(shard).layout
 
     # ---- cache download hooks -------------------------------------------------------------
 

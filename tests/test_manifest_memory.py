@@ -92,6 +92,7 @@ def test_readers_without_a_shard_cache_keep_manifests_bounded_too(many_fragments
     import shutil
 
     monkeypatch.setattr(reader, "FRAGMENT_BYTES", 0)
+    monkeypatch.setattr(reader, "_MEMOS", {})  # as in a fresh process: no rows parsed by the tests before
     want = {f"s{i:03d}": bytes([i]) * (1000 + 37 * i) for i in range(60)}
     if kind == "stream":
         ds: shardkit.StreamingDataset | shardkit.ShardDataset = shardkit.StreamingDataset(many_fragments, shuffle=True)
@@ -106,3 +107,52 @@ def test_readers_without_a_shard_cache_keep_manifests_bounded_too(many_fragments
         assert len(list(Path(ds.ds.manifest_cache).glob("*.parquet"))) >= 5
     finally:
         shutil.rmtree(ds.ds.manifest_cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def many_small_samples(tmp_path_factory: pytest.TempPathFactory) -> str:
+    dest = str(tmp_path_factory.mktemp("small") / "ds")
+    samples = ({"__key__": f"k{i:07d}", "bin": i.to_bytes(4, "little"), "cls": b"3"} for i in range(60_000))
+    shardkit.pack(samples, dest, shard_bytes="40MB", progress=False)
+    return dest
+
+
+def test_random_access_keeps_no_python_object_per_sample(many_small_samples: str) -> None:
+    # ShardDataset[i] parses the shard's rows; a Python str, list and array views per sample
+    # cost ~400 B a sample, ~100 MB per process for a 512 MB shard of small samples.
+    import gc
+    import tracemalloc
+
+    ds = shardkit.ShardDataset(many_small_samples)
+    assert len(ds) == 60_000
+    rows = ds.ds.shard_rows(0)
+    pos = len(rows) - 7
+    assert len(rows) > 10_000
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        names, offs, sizes = rows.fields(pos)
+        key = rows.key(pos)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert key == f"k{pos:07d}" and names == ["bin", "cls"] and sizes.tolist() == [4, 1]
+    assert grown / len(rows) < 40  # flat numpy arrays: ~28 B a sample; was > 300
+    got = ds[pos]
+    assert got["__key__"] == key and bytes(got["bin"]) == pos.to_bytes(4, "little") and bytes(got["cls"]) == b"3"
+
+
+def test_parsed_rows_stay_within_their_byte_budget(many_fragments: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = shardkit.open_dataset(many_fragments)
+    one = ds.shard_rows(0).nbytes
+    monkeypatch.setattr(reader, "ROWS_BYTES", 3 * one)
+    monkeypatch.setattr(reader, "_MEMOS", {})  # as in a fresh process
+    for shard in range(ds.num_shards):
+        rows = ds.cached_rows(shard)
+        memo = ds.memo("rows")
+        assert shard in memo
+        assert sum(r.nbytes for r in memo.values()) <= 3 * one or len(memo) == 1
+        assert rows.keys and rows.layout is not None  # built by a reader: counted from the next shard on
+    assert 1 <= len(ds.memo("rows")) < ds.num_shards
+    assert ds.cached_rows(ds.num_shards - 1) is ds.cached_rows(ds.num_shards - 1)  # kept, not parsed again

@@ -196,7 +196,8 @@ def test_corrupt_bytes_on_storage_raise_integrity_error(s3_server: Any, s3_bucke
     ds = shardkit.ShardDataset(url, storage_options=opts)
     shard, pos = ds.locate(3)
     rows = ds.ds.shard_rows(shard)
-    npy_at = int(rows.field_offset[pos][rows.field_names[pos].index("npy")]) + 130
+    names, offs, _ = rows.fields(pos)
+    npy_at = int(offs[names.index("npy")]) + 130
     _flip_byte(s3_server, url, ds.ds.shard_list[shard].path, npy_at)
     fresh = shardkit.ShardDataset(url, storage_options=opts)
     with pytest.raises(IntegrityError, match=f"{items[3]['__key__']}.*index 3.*checksum"):
