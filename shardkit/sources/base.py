@@ -17,7 +17,7 @@ from ..sample import PackSample
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a pack of 20 M files lists 20 M of these
 class SourceItem:
     """One future sample as the planner sees it.
 

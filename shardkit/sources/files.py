@@ -118,11 +118,12 @@ def check_root(path: str | os.PathLike[str]) -> Path:
 
 
 def ensure_unique(items: list[SourceItem], where: str) -> None:
-    seen: dict[str, str] = {}
+    seen: set[str] = set()  # keys only (a set of the items' own strs): 20 M of them
     for it in items:
         if it.key in seen:
-            raise SourceError(f"duplicate key {it.key!r} in {where}: {seen[it.key]} and {it.ref}")
-        seen[it.key] = it.ref
+            first = next(other.ref for other in items if other.key == it.key)
+            raise SourceError(f"duplicate key {it.key!r} in {where}: {first} and {it.ref}")
+        seen.add(it.key)
 
 
 class FolderSource:
@@ -137,35 +138,49 @@ class FolderSource:
         self.root = str(root)
         self.listing = ListingSkips()
 
-    def _groups(self) -> dict[str, list[tuple[str, str, int]]]:
+    def _files(self) -> list[tuple[str, int]]:
+        """(relative path, size) of every file that names a sample's field, in sample order:
+        by key, then path, so that each sample's files are next to each other."""
         root = check_root(self.root)
         if not root.is_dir():
             raise SourceError(f"source {root} is not a directory")
-        groups: dict[str, list[tuple[str, str, int]]] = {}
         self.listing.skipped.clear()
+        files = []
         for rel, size in walk_files(root):
             stem, dot, _ = rel.rpartition("/")[2].partition(".")
-            field = _field(rel)
-            if not dot or not stem or not field:
+            if not dot or not stem or not _field(rel):
                 self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
                                                   "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
                 continue
-            members = groups.setdefault(_raw_key(rel), [])
-            for other_field, other, _ in members:
-                if other_field == field:  # x.JPG and x.jpg: one would overwrite the other
-                    raise SourceError(f"{root / other} and {root / rel} are both field {other_field!r} of sample "
-                                      f"{_raw_key(rel)!r} (field names are lowercased); rename one")
-            members.append((field, rel, size))
-        if not groups:
+            files.append((rel, size))
+        if not files:
             raise SourceError(f"source {root} holds no files")
-        return groups
+        files.sort(key=lambda f: (_raw_key(f[0]), f[0]))
+        return files
 
     def list_items(self) -> list[SourceItem]:
+        # One pass over the files in sample order, no per-file group objects: a folder of
+        # 20 M files must list within a few GB on the driver.
+        files = self._files()
         items = []
-        for raw, members in sorted(self._groups().items()):
+        start = 0
+        while start < len(files):
+            raw = _raw_key(files[start][0])
+            stop = start + 1
+            while stop < len(files) and _raw_key(files[stop][0]) == raw:
+                stop += 1
+            members = files[start:stop]
+            fields = [_field(rel) for rel, _ in members]
+            if len(set(fields)) < len(fields):  # x.JPG and x.jpg: one would overwrite the other
+                field = next(f for f in fields if fields.count(f) > 1)
+                first, other = (rel for (rel, _), f in zip(members, fields) if f == field)
+                raise SourceError(f"{self.root}/{first} and {self.root}/{other} are both field {field!r} of sample "
+                                  f"{raw!r} (field names are lowercased); rename one")
             # A JSON list of the files: names may hold any character but "/" and NUL.
-            ref = json.dumps([rel for _, rel, _ in members])
-            items.append(SourceItem(ref=ref, nbytes=sum(s for _, _, s in members) + 1024 * len(members), key=safe_key(raw)))
+            items.append(SourceItem(ref=json.dumps([rel for rel, _ in members]),
+                                    nbytes=sum(s for _, s in members) + 1024 * len(members), key=safe_key(raw)))
+            start = stop
+        del files
         ensure_unique(items, self.root)
         return items
 
