@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterator, Optional, Sequence, cast
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, cast
 
 import xxhash
 
@@ -101,8 +101,13 @@ def is_positional(fetch: object) -> bool:
     """Whether ``fetch`` is a :data:`FetchInto` (bound methods see their function's mark)."""
     return bool(getattr(fetch, "writes_at_offsets", False))
 
-# A prefetch carries the shards planned before it (it must not evict them); None = foreground.
-_Prefetch = Optional[frozenset[str]]
+# A prefetch carries the files (and sizes) planned before it: it must neither evict them nor
+# take their room. None: a reader's own open.
+_Prefetch = Optional[Mapping[str, int]]
+
+
+class _NoRoom(Exception):
+    """A prefetch found no room for its shard (see ShardCache.prefetch)."""
 
 
 class CachedShard:
@@ -220,9 +225,13 @@ class ShardCache:
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
                                      "corrupt_refetches", "prefetched", "prefetch_skipped", "landed"), 0.0)
         self._sched: dict[str, list[int]] = {}  # file -> positions in the schedule
-        self._cursor = 0  # schedule positions before this one are past
+        self._sched_files: list[str] = []  # the schedule in order
+        self._sched_sizes: dict[str, int] = {}
+        # Schedule positions before this one are past; the one at it is the shard last opened,
+        # still in use (a reader opens its shard again at every batch when the cache is tight).
+        self._cursor = 0
         self._cv = threading.Condition()
-        self._plan: list[tuple[ShardRef, Fetch | FetchInto, frozenset[str], bool]] = []
+        self._plan: list[tuple[ShardRef, Fetch | FetchInto, dict[str, int], bool]] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
@@ -236,16 +245,20 @@ class ShardCache:
                     unlink_quiet(e.path)
                     dl.release()
 
-    def set_schedule(self, upcoming: Sequence[str]) -> None:
-        """Tell eviction this process's future need order (shard names, repeats allowed).
+    def set_schedule(self, upcoming: Sequence[str], sizes: Sequence[int] | None = None) -> None:
+        """Tell eviction this process's future need order (shard names, repeats allowed), and
+        the shards' sizes if known (a prefetch then leaves room for those needed before it).
 
-        Each :meth:`open` of a scheduled shard moves past its next position in the schedule.
+        Each :meth:`open` of a scheduled shard moves the cursor to its next position in the
+        schedule (the shard counts as needed now until a later one is opened).
         """
+        files = [file_name(name) for name in upcoming]
         pos: dict[str, list[int]] = {}
-        for i, name in enumerate(upcoming):
-            pos.setdefault(file_name(name), []).append(i)
+        for i, file in enumerate(files):
+            pos.setdefault(file, []).append(i)
         with self._mu:
-            self._sched, self._cursor = pos, 0
+            self._sched, self._cursor, self._sched_files = pos, 0, files
+            self._sched_sizes = {} if sizes is None else dict(zip(files, sizes))
 
     def open(self, ref: ShardRef, fetch: Fetch | FetchInto, landing: bool = False) -> CachedShard:
         """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
@@ -269,7 +282,7 @@ class ShardCache:
         file = file_name(ref.name)
         with self._mu:
             nxt = self._next_use(file)
-            self._cursor = self._cursor if nxt is None else nxt + 1
+            self._cursor = self._cursor if nxt is None else nxt
             stalled = self._stalled.pop(file, None)
         if stalled is not None and time.monotonic() - stalled[0] < STALL_REMEMBERED:
             raise stalled[1]  # a prefetch just spent the whole retry budget on it: not a second one
@@ -294,13 +307,16 @@ class ShardCache:
 
         Replaces the part of an earlier plan not started yet. A prefetch never waits: it
         skips a shard that another process is downloading, that does not fit, or that would
-        evict a shard needed sooner (earlier in ``refs`` or in the schedule).
+        evict a shard needed sooner (earlier in ``refs`` or in the schedule), or that would
+        take room the plan's earlier shards not in the cache yet need: fetched into room freed
+        a moment after those were skipped, it would be evicted again to make room for them
+        (with a cache of one or two shards, most shards were fetched twice).
         """
         with self._cv:
             if self._closed:
                 return
             plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
-            self._plan = [(r, fetch, frozenset(file_name(q.name) for q in plan[:i]), landing)
+            self._plan = [(r, fetch, {file_name(q.name): q.size for q in plan[:i]}, landing)
                           for i, r in enumerate(plan)]
             self._threads = [t for t in self._threads if t.is_alive()]
             while len(self._threads) < min(max(1, at_once), MAX_AT_ONCE, len(plan)):
@@ -428,9 +444,7 @@ class ShardCache:
                         unlink_quiet(self._final(file))
                     self._add("corrupt_refetches")
                 if state != "ok":
-                    if not self._download(ref, fetch, file, prefetch, landing):
-                        self._add("prefetch_skipped")
-                        return None
+                    self._download(ref, fetch, file, prefetch, landing)
                     downloaded = True
                     state, fd = self._open_final(ref, file)
             finally:
@@ -444,11 +458,12 @@ class ShardCache:
         return fd
 
     def _download(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch,
-                  landing: bool) -> bool:
-        """Fetch, verify and publish ``ref`` (download lock held); False if a prefetch skips."""
+                  landing: bool) -> None:
+        """Fetch, verify and publish ``ref`` (download lock held); _NoRoom if a prefetch finds
+        no room for it."""
         got = self._reserve(ref, file, prefetch)
         if got is None:
-            return False
+            raise _NoRoom(ref.name)
         tmp, start = got
         into = is_positional(fetch)
         if into:
@@ -484,7 +499,7 @@ class ShardCache:
                         LANDING.publish(buf, self._final(file), os.fstat(fd))  # unpins it
                         buf = None
                         self._add("landed", 1.0)
-                    return True
+                    return
             finally:
                 if buf is not None:
                     LANDING.release(buf)
@@ -566,6 +581,8 @@ class ShardCache:
                         return got
                     entries = self._scan()
                     excess = sum(e.size for e in entries) + ref.size - self._limit
+                    if prefetch is not None:
+                        excess += self._room_for_sooner(file, prefetch, entries)
                     blockers = self._evict(entries, excess, file, prefetch) if excess > 0 else None
                     if blockers is None:
                         tmp = self._temp(file, ref.size)
@@ -594,6 +611,18 @@ class ShardCache:
         finally:
             if time.monotonic() - t0 >= _POLL:  # count waiting, not the usual quick pass
                 self._add("wait_seconds", time.monotonic() - t0)
+
+    def _room_for_sooner(self, file: str, prefetch: Mapping[str, int], entries: list[CacheEntry]) -> int:
+        """Bytes the shards this process needs before ``file`` will take, those not in the
+        cache yet: the prefetch plan's earlier shards, and the scheduled ones up to ``file``'s
+        next use (the shard a reader is about to open itself is in no prefetch plan)."""
+        need = dict(prefetch)
+        with self._mu:
+            mine = self._next_use(file)
+            for f in self._sched_files[self._cursor:mine] if mine is not None else ():
+                need.setdefault(f, self._sched_sizes.get(f, 0))
+        present = {e.file for e in entries if e.ns == self._ns}
+        return sum(size for f, size in need.items() if f != file and f not in present)
 
     def _adopt(self, ref: ShardRef, file: str) -> tuple[str, int] | None:
         """Take over a partial download of ``ref`` left by any process (global and download
@@ -677,6 +706,8 @@ class ShardCache:
                 fd = self._ensure(ref, fetch, file, earlier, landing)
                 if fd is not None:
                     os.close(fd)
+            except _NoRoom:
+                self._add("prefetch_skipped")
             except Exception as exc:  # the foreground open retries (and resumes) it, unless the store stalled
                 log.warning("cache: prefetch of %s failed: %s", ref.name, exc)
                 if isinstance(exc, StorageStalledError):

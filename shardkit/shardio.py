@@ -208,7 +208,7 @@ class ShardSource:
         if self.cache is None:
             return
         infos = self.ds.shard_list
-        self.cache.set_schedule([infos[s].path for s in shards])
+        self.cache.set_schedule([infos[s].path for s in shards], [infos[s].bytes for s in shards])
         self.advance(shards)
 
     def advance(self, upcoming: Sequence[int]) -> None:

@@ -376,6 +376,41 @@ def test_prefetch_never_evicts_a_shard_needed_sooner(tmp_path: Path) -> None:
         assert s.cached() == {a.name, c.name}
 
 
+
+@pytest.mark.parametrize("plan_from", [1, 2])
+def test_a_cache_of_one_shard_fetches_each_shard_once_in_a_sequential_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan_from: int) -> None:
+    # A reader holding shard k asks to prefetch k+1, k+2, ... (plan_from=1), or, as the streaming
+    # reader does, k+2, ... as it is about to open k+1 itself (plan_from=2). No later shard may
+    # take the room that k frees a moment after, as k+1 is needed first: with a cache_limit of
+    # one or two shards, most shards were fetched twice.
+    s = make_store(tmp_path, [1 * MB] * 6)
+    skipped, closed = threading.Event(), threading.Event()
+    real = ShardCache._reserve
+
+    def reserve(self: ShardCache, ref: ShardRef, file: str, prefetch: Any) -> Any:
+        got = real(self, ref, file, prefetch)
+        if got is None:  # no room: let the reader close its shard before the plan goes on
+            skipped.set()
+            closed.wait(5)
+        return got
+
+    monkeypatch.setattr(ShardCache, "_reserve", reserve)
+    with s.cache(int(1.5 * MB)) as cache:
+        cache.set_schedule([r.name for r in s.refs], [r.size for r in s.refs])
+        for i, ref in enumerate(s.refs):
+            shard = cache.open(ref, s.remote)
+            skipped.clear()
+            closed.clear()
+            cache.prefetch(s.refs[i + plan_from:], s.remote, max_ahead=4, at_once=4)  # as a reader does
+            if i + plan_from < len(s.refs):
+                assert skipped.wait(5)
+            shard.close()
+            closed.set()
+            time.sleep(0.05)  # the plan's later shards try while none is open
+        fetched = sorted(c[0] for c in s.remote.calls())
+    assert fetched == [r.name for r in s.refs]  # each once
+
 # ---- several processes -------------------------------------------------------------------
 
 def test_concurrent_processes_fetch_each_shard_once(tmp_path: Path) -> None:
