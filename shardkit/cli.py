@@ -203,13 +203,31 @@ def _split_bench(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv, None
 
 
+# Libraries that log requests at DEBUG: botocore prints the signed headers (the access key id
+# in Authorization, the whole x-amz-security-token), s3fs every call's arguments (SSE keys
+# included), urllib3/aiohttp full URLs. Secrets never appear in logs, so --debug leaves them
+# at WARNING; it is for shardkit's own debug logs and tracebacks.
+_REQUEST_LOGGERS = ("botocore", "boto3", "s3transfer", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp",
+                    "gcsfs", "google", "adlfs", "azure")
+
+
+def configure_logging(debug: bool) -> None:
+    """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("shardkit").setLevel(logging.DEBUG if debug else logging.NOTSET)
+    # Pinned, not just inherited from the root: a root logger set to DEBUG later (a Ray
+    # worker's setup, a user's basicConfig(force=True)) must not turn them on.
+    for name in _REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(own)
     if bench_args is not None:
         args.bench_args = bench_args
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.debug)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -122,6 +122,27 @@ def test_cli_on_s3_never_shows_the_secret(source: Path, s3_server: Any, s3_bucke
     assert secret not in repr(ds) and secret not in repr(ds.store)
 
 
+def test_debug_never_logs_credentials(source: Path, s3_server: Any, s3_bucket: str) -> None:
+    # botocore's DEBUG logs print the signed headers: the access key id (Authorization:
+    # ... Credential=AKID/...) and the whole x-amz-security-token, a bearer secret.
+    token = "SESSIONTOKEN_TOPSECRET_42"
+    env = s3_server.env()
+    r = cli("--debug", "pack", str(source), f"{s3_bucket}/ds", "--shard-size", "4KB", "--quiet", env=env)
+    assert r.returncode == 0, r.stderr
+    runs = [r]
+    for args in (("--debug", "info", f"{s3_bucket}/ds"), ("--debug", "verify", "--deep", f"{s3_bucket}/ds")):
+        r = cli(*args, env=env)
+        assert r.returncode == 0, r.stderr
+        runs.append(r)
+    # With a session token the server refuses the request; --debug still shows the traceback.
+    r = cli("--debug", "info", f"{s3_bucket}/nothing", env={**env, "AWS_SESSION_TOKEN": token})
+    assert r.returncode != 0 and "Traceback" in r.stderr
+    runs.append(r)
+    for r in runs:
+        for secret in (s3_server.key, s3_server.secret, token):
+            assert secret not in r.stdout and secret not in r.stderr, (r.args, secret)
+
+
 # --------------------------------------------------------------------------- 5. corruption
 
 
