@@ -27,6 +27,9 @@ def check_scheme(url: str, what: str) -> None:
     import fsspec
     from fsspec.core import split_protocol
 
+    from .storage import refuse_url_credentials
+
+    refuse_url_credentials(url, what)  # before any message repeats the URL
     for part in url.split("::"):  # chained URLs: simplecache::s3://...
         protocol, _ = split_protocol(part)
         if protocol is None:

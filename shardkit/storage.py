@@ -94,16 +94,62 @@ def with_env_location(url: str, options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "client_kwargs": {**here, **(options.get("client_kwargs") or {})}}
 
 
+# Schemes whose first path part is a bucket name, which never holds ':'.
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+def _userinfo_span(part: str) -> tuple[int, int] | None:
+    """(start, end) of the ``user:secret`` before an ``@`` in one URL (no ``::`` chain), or None."""
+    scheme, sep, rest = part.partition("://")
+    if not sep:
+        return None
+    at = rest.find("@")
+    if at < 0:
+        return None
+    head = rest[:at]
+    start = len(scheme) + len(sep)
+    if "/" not in head:
+        return start, start + at
+    # An AWS secret key may hold '/', which moves the '@' past the first '/'
+    # (s3://AKID:abc/def@bucket/ds); a bucket name never holds ':', so a ':' in the first
+    # part still means key:secret. Elsewhere an '@' after the first '/' is part of the path.
+    if scheme.lower() in _BUCKET_SCHEMES and ":" in head.split("/", 1)[0]:
+        return start, start + at
+    return None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any userinfo (``key:secret@``) replaced by ``***``, chained parts included."""
+    parts = []
+    for part in url.split("::"):
+        span = _userinfo_span(part)
+        parts.append(part if span is None else part[:span[0]] + "***" + part[span[1]:])
+    return "::".join(parts)
+
+
+def refuse_url_credentials(url: str, what: str = "URL") -> None:
+    """ConfigError for credentials written into a URL (``s3://KEY:SECRET@bucket/ds``).
+
+    They would be repeated by every message and log line that names the URL, so they are
+    refused up front, and the message shows the URL with them replaced by ``***``.
+    """
+    if redact_url(url) != url:
+        raise ConfigError(f"{what} {redact_url(url)}: credentials in the URL are refused (they would show in "
+                          "errors and logs); give them in the AWS_* environment variables, a profile "
+                          "(AWS_PROFILE) or storage_options")
+
+
 def endpoint_of(url: str, options: dict[str, Any]) -> str:
     """A printable description of where ``url`` lives (endpoint, never keys)."""
     if url.startswith("s3://"):
         ep = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get("endpoint_url")
-        return f"{url} (endpoint {ep or 'AWS default'})"
+        return f"{url} (endpoint {redact_url(str(ep)) if ep else 'AWS default'})"
     return url
 
 
 def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve a URL to (filesystem, path) with shardkit's option rules."""
+    refuse_url_credentials(url)
     opts = s3_options(storage_options) if url.startswith(("s3://", "s3a://")) else dict(storage_options or {})
     try:
         fs, path = url_to_fs(url, **opts)
@@ -323,6 +369,7 @@ class Store:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  fs: fsspec.AbstractFileSystem | None = None) -> None:
+        refuse_url_credentials(url)  # every dataset and destination URL passes here first
         scheme, sep, rest = url.partition("://")
         if sep and scheme in ("s3", "s3a", "gs", "gcs") and not rest.strip("/"):
             raise ConfigError(f"{url!r}: no bucket in the URL (expected {scheme}://bucket/prefix)")

@@ -143,6 +143,25 @@ def test_debug_never_logs_credentials(source: Path, s3_server: Any, s3_bucket: s
             assert secret not in r.stdout and secret not in r.stderr, (r.args, secret)
 
 
+def test_credentials_in_a_url_are_refused_and_never_echoed(source: Path, s3_server: Any, s3_bucket: str,
+                                                            tmp_path: Path) -> None:
+    bucket = s3_bucket[len("s3://"):]
+    url = f"s3://{s3_server.key}:{s3_server.secret}@{bucket}/ds"
+    runs = [("info", url), ("verify", url), ("index", url), ("pack", str(source), url),
+            ("pack", url + "/*.tar", str(tmp_path / "out")), ("--debug", "info", url)]
+    for args in runs:
+        r = cli(*args, env=s3_server.env())
+        text = r.stdout + r.stderr
+        assert s3_server.secret not in text and s3_server.key not in text, (args, text)
+        if "--debug" in args:
+            continue  # the traceback, without the credentials
+        assert r.returncode == 2, (args, r.stderr)
+        line = one_line(r.stderr)
+        assert f"s3://***@{bucket}/ds" in line and "AWS_" in line and "storage_options" in line, line
+    assert s3_server.filesystem().find(bucket) == []
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- 5. corruption
 
 

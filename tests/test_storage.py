@@ -13,8 +13,9 @@ import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
+import shardkit
 from shardkit import storage
-from shardkit.errors import StorageError, StoragePermissionError
+from shardkit.errors import ConfigError, StorageError, StoragePermissionError
 from shardkit.storage import Store, is_transient, retrying, translate
 
 SECRET = "s3cr3t-" + "x" * 20
@@ -85,6 +86,43 @@ def test_no_secret_in_store_repr_where_or_errors() -> None:
     assert SECRET not in store.where and "http://127.0.0.1:1" in store.where
     for exc in (client_error("AccessDenied"), client_error("SlowDown"), ConnectionError("refused")):
         assert SECRET not in str(translate(exc, "dataset.json", store.where))
+
+
+@pytest.mark.parametrize("url", [
+    "s3://AKIDEXAMPLE:{s}@bucket/ds",
+    "s3://AKIDEXAMPLE:ab/{s}+c@bucket/ds",  # AWS secret keys may hold '/'
+    "simplecache::s3://AKIDEXAMPLE:{s}@bucket/ds",
+    "https://user:{s}@example.com/ds",
+])
+def test_credentials_in_a_url_are_refused_without_repeating_them(url: str, tmp_path: Any) -> None:
+    url = url.format(s=SECRET)
+    calls: list[Any] = [
+        lambda: Store(url),
+        lambda: shardkit.open_dataset(url),
+        lambda: shardkit.StreamingDataset(url),
+        lambda: shardkit.pack([{"__key__": "a", "txt": b"x"}], url),
+        lambda: shardkit.pack(url, str(tmp_path / "out")),  # as the source
+        lambda: shardkit.index_tars(url),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError) as info:
+            call()
+        text = str(info.value)
+        assert SECRET not in text and "AKIDEXAMPLE" not in text and "***@" in text, text
+        assert "storage_options" in text and "AWS_" in text and "\n" not in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_redact_url_leaves_urls_without_credentials_alone() -> None:
+    for url in ("s3://bucket/user@example.com/ds", "http://host:8080/a@b", "/tmp/a@b", "file:///tmp/x@y",
+                "memory://ds", "s3://bucket/ds"):
+        assert storage.redact_url(url) == url
+    assert storage.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
+
+
+def test_endpoint_with_credentials_is_redacted_in_messages() -> None:
+    store = Store("s3://bucket/ds", {"client_kwargs": {"endpoint_url": f"http://u:{SECRET}@127.0.0.1:1"}})
+    assert SECRET not in store.where and "http://***@127.0.0.1:1" in store.where
 
 
 # --------------------------------------------------------------------------- retrying

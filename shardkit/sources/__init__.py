@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, SourceError, SourceNotFoundError
+from ..storage import refuse_url_credentials
 from .base import Source, SourceItem
 from .files import FileListSource, FolderSource, ImageFolderSource
 
@@ -43,6 +44,7 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if not isinstance(source, (str, os.PathLike)):
         raise SourceError(f"unsupported source {type(source).__name__}: pass a path, URL, Source or iterable of dicts")
     text = str(source)
+    refuse_url_credentials(text, "source")  # before any message repeats the URL
     if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
         from .wds import WdsTarSource
         return WdsTarSource(text, storage_options=storage_options)

@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..chunks import CHUNK_BYTES, iter_exact
 from ..errors import SourceError, SourceNotFoundError, UnsafeTarError
 from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
+from ..storage import refuse_url_credentials
 from ..tarscan import TarMember, group_members, scan_tar, split_name
 from .base import SourceItem
 
@@ -73,6 +74,8 @@ class WdsTarSource:
         self.urls: list[str] = [u for url in given for u in braceexpand(os.fspath(url))]
         if not self.urls:
             raise SourceError("WdsTarSource: no tar URLs given")
+        for url in self.urls:
+            refuse_url_credentials(url, "source")
         self.storage_options = dict(storage_options) if storage_options else None
 
     def __repr__(self) -> str:
