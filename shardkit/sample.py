@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import xxhash
 
@@ -66,6 +66,26 @@ def safe_key(raw: str | bytes) -> str:
         return cleaned
     # Shortened too: with the field suffix, a member name must fit a file name (255 bytes).
     return f"{cleaned[:MAX_KEY - 9]}-{xxhash.xxh64_hexdigest(raw_bytes)[:8]}"
+
+
+def case_clash(fields: Iterable[str]) -> tuple[str, str] | None:
+    """Two of ``fields`` that differ only in case (``("JPG", "jpg")``), or None.
+
+    The webdataset library lowercases every field name (``group_by_keys(lcase=True)``, with
+    ``str.lower``) and refuses a sample where two come out the same ("duplicate file name in
+    tar file"), so such a sample is unreadable to it.
+    """
+    seen: dict[str, str] = {}
+    for name in sorted(fields):
+        other = seen.setdefault(name.lower(), name)
+        if other != name:
+            return other, name
+    return None
+
+
+def case_clash_reason(first: str, second: str) -> str:
+    return (f"fields {first!r} and {second!r} differ only in case; the webdataset library lowercases field "
+            "names and refuses such a sample: rename one")
 
 
 def check_field_name(name: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import xxhash
 
 from .errors import SourceError
-from .sample import PackSample, StreamedField, check_field_name
+from .sample import PackSample, StreamedField, case_clash, case_clash_reason, check_field_name
 from .storage import Store
 from .tarfmt import END_OF_ARCHIVE, member_header, padding
 
@@ -382,6 +382,9 @@ class TarShard:
     def add(self, sample: PackSample) -> None:
         if not sample.fields:
             raise SourceError(f"sample {sample.key!r} has no fields")
+        clash = case_clash(sample.fields)
+        if clash is not None:  # before any byte of it is written: with on_error="skip" it is left out
+            raise SourceError(f"sample {sample.key!r}: {case_clash_reason(*clash)}")
         self.sample_hash.reset()
         start = self.pos
         spans: list[dict[str, Any]] = []

@@ -220,6 +220,18 @@ def test_key_repeated_inside_one_tar_is_refused(tmp_path):
     assert not (tmp_path / "dataset.json").exists()
 
 
+def test_fields_differing_only_in_case_are_refused(tmp_path):
+    # The webdataset library lowercases field names and refuses such a sample.
+    _put(str(tmp_path), {"x.tar": _tarfile_bytes([("0000.txt", b"0"), ("0001.jpg", b"lower"),
+                                                  ("0001.JPG", b"UPPER")])})
+    with pytest.raises(SourceError) as err:
+        index_tars(str(tmp_path), progress=False)
+    text = str(err.value)
+    assert "x.tar" in text and "'0001'" in text and "'JPG'" in text and "'jpg'" in text
+    assert not (tmp_path / "dataset.json").exists()
+    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
+
+
 def test_keys_whose_hashes_collide_are_told_apart_by_reading_them_back(tmp_path, monkeypatch):
     # The ledger keeps 64-bit key hashes, not keys: equal hashes are only suspects.
     from shardkit import keyledger

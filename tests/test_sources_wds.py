@@ -278,6 +278,46 @@ def test_repeated_field_in_sample(tmp_path):
         WdsTarSource(tmp_path).list_items()
 
 
+def test_fields_differing_only_in_case_are_refused_or_skipped(tmp_path):
+    # webdataset lowercases field names: 0001.jpg and 0001.JPG make a sample it refuses
+    # ("duplicate file name in tar file"), so the shard would not be a WebDataset shard.
+    wds = pytest.importorskip("webdataset")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.tar").write_bytes(tar_bytes([("0001.jpg", b"lower"), ("0001.JPG", b"UPPER"), ("0002.jpg", b"ok"),
+                                           ("0003.Txt", b"t"), ("0003.TXT", b"T")], tarfile.USTAR_FORMAT))
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+    text = str(err.value)
+    assert "a.tar" in text and "'0001'" in text and "'JPG'" in text and "'jpg'" in text and "\n" not in text
+    assert not (tmp_path / "out" / "dataset.json").exists()
+    info = shardkit.pack(str(src), str(tmp_path / "skip"), on_error="skip", progress=False)
+    assert info["num_samples"] == 1 and [s["key"] for s in info["skipped"]] == ["0001", "0003"]
+    assert "'JPG' and 'jpg' differ only in case" in info["skipped"][0]["reason"]
+    shard = tmp_path / "skip" / "shards" / "shard-000000.tar"
+    assert [s["__key__"] for s in wds.WebDataset(str(shard), shardshuffle=False, empty_check=False)] == ["0002"]
+
+
+def test_iterable_fields_differing_only_in_case_are_refused(tmp_path):
+    items = [{"__key__": "a", "txt": "1"}, {"__key__": "b", "jpg": b"x", "JPG": b"y"}]
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(iter(items), str(tmp_path / "out"), progress=False)
+    text = str(err.value)
+    assert "'b'" in text and "item 1" in text and "'JPG'" in text and "'jpg'" in text
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
+def test_writer_refuses_fields_differing_only_in_case(tmp_path):
+    from shardkit.sample import PackSample
+    from shardkit.storage import Store
+    from shardkit.writer import ShardWriter
+
+    with ShardWriter(Store(str(tmp_path / "ds")), shard_bytes=10**6) as w:
+        with pytest.raises(SourceError, match=r"sample 'k': fields 'Cls' and 'cls' differ only in case"):
+            w.write(PackSample("k", {"cls": b"1", "Cls": b"2"}))
+        w.write(PackSample("k2", {"cls": b"1"}))
+
+
 def test_tar_changed_after_listing(tmp_path):
     path = tmp_path / "a.tar"
     path.write_bytes(tar_bytes([("k.txt", b"1"), ("m.txt", b"2")]))

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..errors import SourceError
-from ..sample import FieldValue, PackSample, StreamedField, safe_key
+from ..sample import FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, safe_key
 
 
 def encode_value(key: str, field: str, value: Any) -> FieldValue:
@@ -56,4 +56,7 @@ def samples_from_iterable(items: Iterable[dict[str, Any]]) -> Iterator[PackSampl
         fields = {f: encode_value(key, f, v) for f, v in item.items() if not f.startswith("__")}
         if not fields:
             raise SourceError(f"sample {key!r} (item {i}) has no fields")
+        clash = case_clash(fields)
+        if clash is not None:
+            raise SourceError(f"sample {key!r} (item {i}): {case_clash_reason(*clash)}")
         yield PackSample(key, fields, meta)

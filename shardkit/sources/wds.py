@@ -23,7 +23,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..chunks import CHUNK_BYTES, iter_exact
 from ..errors import SourceError, SourceNotFoundError, UnsafeTarError
-from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
+from ..sample import (FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, check_field_name,
+                      safe_key)
 from ..storage import refuse_url_credentials
 from ..tarscan import TarMember, group_members, scan_tar, split_name
 from .base import SourceItem
@@ -130,7 +131,9 @@ class WdsTarSource:
             except OSError as exc:
                 raise SourceError(f"{url}: cannot read: {exc}") from exc
             for orig, members in groups:
-                _fields(url, members)  # validate names now, not deep inside a pack task
+                # Validate names now, not deep inside a pack task. A case clash is a bad sample,
+                # not a bad tar: load refuses it, where on_error="skip" can leave it out.
+                _fields(url, members, check_case=False)
                 key = safe_key(orig)
                 ref = f"{url}#{members[0].offset_header}:{members[-1].end}"
                 if key in seen:
@@ -161,13 +164,13 @@ class WdsTarSource:
                     raise SourceError(f"{url}: short read of bytes {start}:{end} ({len(data)} bytes)")
                 groups = list(group_members(scan_tar(io.BytesIO(data), name=url, file_size=len(data))))
                 orig, members = _one_group(groups, item)
-                for m, field in zip(members, _fields(url, members)):
+                for m, field in zip(members, _fields(item.ref, members)):
                     fields[field] = data[m.offset_data : m.offset_data + m.size]
             else:
                 with fs.open(path, "rb") as f:
                     groups = list(group_members(scan_tar(f, name=url, file_size=end, start=start)))
                 orig, members = _one_group(groups, item)
-                for m, field in zip(members, _fields(url, members)):
+                for m, field in zip(members, _fields(item.ref, members)):
                     if m.size <= CHUNK_BYTES:
                         fields[field] = fs.cat_file(path, start=m.offset_data, end=m.offset_data + m.size)
                     else:
@@ -188,8 +191,9 @@ class WdsTarSource:
         return None
 
 
-def _fields(url: str, members: list[TarMember]) -> list[str]:
-    """Field names of one sample's members; refuses missing, bad or repeated fields."""
+def _fields(url: str, members: list[TarMember], *, check_case: bool = True) -> list[str]:
+    """Field names of one sample's members; refuses missing, bad or repeated fields, and
+    (``check_case``) fields that differ only in case, which the webdataset library cannot read."""
     out: list[str] = []
     for m in members:
         _, field = split_name(m.name)
@@ -202,6 +206,9 @@ def _fields(url: str, members: list[TarMember]) -> list[str]:
         if field in out:
             raise SourceError(f"{url}: member {m.name!r} repeats field {field!r} in its sample")
         out.append(field)
+    clash = case_clash(out) if check_case else None
+    if clash is not None:
+        raise SourceError(f"{url}: sample {split_name(members[0].name)[0]!r}: {case_clash_reason(*clash)}")
     return out
 
 
