@@ -190,8 +190,8 @@ def is_transient(exc: BaseException) -> bool:
     """Worth retrying: resets, timeouts, truncated bodies, 5xx and SlowDown."""
     if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, ShardkitError)):
         return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)) or is_connect_failure(exc):
+        return True  # a refused connection once more (a server restarting); attempts_for caps it
     if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EIO, errno.EBUSY):
         return True
     if _error_code(exc) in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId",
@@ -216,10 +216,19 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "Timeout" in text or "timed out" in text
 
 
+def is_connect_failure(exc: BaseException) -> bool:
+    """No connection to the store at all: refused, unreachable host, unknown name (botocore's
+    EndpointConnectionError, aiohttp's ClientConnectorError for http(s):// and s3fs)."""
+    text = f"{type(exc).__name__} {exc}"
+    if any(m in text for m in ("EndpointConnectionError", "Could not connect to the endpoint",
+                               "ClientConnectorError", "Cannot connect to host")):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
 def attempts_for(exc: BaseException, attempts: int = RETRY_ATTEMPTS) -> int:
     """Faults in a row worth trying through: fewer for a dead endpoint or a stalled store."""
-    text = f"{type(exc).__name__} {exc}"
-    if "EndpointConnectionError" in text or "Could not connect to the endpoint" in text:
+    if is_connect_failure(exc):
         return min(attempts, CONNECT_ATTEMPTS)
     if is_timeout(exc):
         return min(attempts, TIMEOUT_ATTEMPTS)
@@ -258,7 +267,7 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
         return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({text})")
     if isinstance(exc, FileNotFoundError):
         return StorageError(f"{what} not found at {where}")
-    if "EndpointConnectionError" in name or "Could not connect" in text or isinstance(exc, ConnectionError):
+    if is_connect_failure(exc) or isinstance(exc, ConnectionError):
         return StorageError(f"cannot reach storage for {what} at {where}: {name}")
     if is_timeout(exc):
         return StorageStalledError(f"storage did not answer for {what} at {where} ({name}), "
@@ -440,7 +449,27 @@ class Store:
         return retrying(fn, what, self.where)
 
     def exists(self, rel: str) -> bool:
-        return self.call(lambda: self.fs.exists(self.path(rel)), rel or self.url)
+        def check() -> bool:
+            path = self.path(rel)
+            if self.fs.exists(path):
+                return True
+            if not self._is_http:
+                return False
+            # fsspec's HTTPFileSystem.exists also answers False for a server it cannot reach
+            # (or any error status), so a dead server looked like a missing dataset. A read of
+            # one byte tells them apart: a 404 is FileNotFoundError; a refused connection or a
+            # 403/500 raises, and is translated as such.
+            try:
+                self.fs.cat_file(path, start=0, end=1)
+            except FileNotFoundError:
+                return False
+            return True
+        return self.call(check, rel or self.url)
+
+    @property
+    def _is_http(self) -> bool:
+        protocol = self.fs.protocol
+        return bool({"http", "https"} & set((protocol,) if isinstance(protocol, str) else protocol))
 
     def size(self, rel: str) -> int:
         return int(self.call(lambda: self.fs.size(self.path(rel)), rel))

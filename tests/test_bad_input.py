@@ -379,6 +379,44 @@ def test_unreachable_endpoint(tmp_path: Path) -> None:
     assert "s3cr3t-value-xyz" not in r.stderr
 
 
+def test_unreachable_http_url_is_not_called_missing(tmp_path: Path) -> None:
+    # fsspec's HTTPFileSystem.exists says False for a server it cannot reach: that read as
+    # "dataset.json is missing". A refused connection is now said as such; a 404 still is missing.
+    import functools
+    import http.server
+    import threading
+
+    for scheme in ("http", "https"):
+        url = f"{scheme}://127.0.0.1:{closed_port()}/ds"
+        with pytest.raises(StorageError) as err:
+            shardkit.open_dataset(url)
+        assert not isinstance(err.value, shardkit.errors.DatasetNotFoundError)
+        check_message(err.value, "cannot reach storage", url)
+        r = cli("info", url)
+        assert r.returncode == 1 and "cannot reach storage" in one_line(r.stderr) and url in r.stderr, r.stderr
+
+    shardkit.pack(str(folder(tmp_path / "src")), str(tmp_path / "www" / "ds"), progress=False)
+    (tmp_path / "www" / "empty").mkdir()
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Quiet, directory=str(tmp_path / "www")))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(shardkit.errors.DatasetNotFoundError) as missing:
+            shardkit.open_dataset(f"{base}/empty")
+        check_message(missing.value, "dataset.json is missing", f"{base}/empty")
+        assert shardkit.open_dataset(f"{base}/ds").num_samples == 4
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def test_errors_are_shardkit_errors(tmp_path: Path) -> None:
     # Bad options are ConfigErrors naming the option, raised before anything is written.
     src = folder(tmp_path / "src")
