@@ -31,7 +31,6 @@ _REFUSED = {
     tarfile.CHRTYPE: "character device",
     tarfile.BLKTYPE: "block device",
     tarfile.FIFOTYPE: "fifo",
-    tarfile.GNUTYPE_LONGLINK: "link",
 }
 
 
@@ -114,6 +113,7 @@ def scan_tar(
     pax: dict[str, str] = {}
     global_pax: dict[str, str] = {}
     long_name: str | None = None
+    long_link = False  # a GNU long link target (``././@LongLink``, type K) precedes the member
     member_start: int | None = None
     while True:
         if pos >= file_size:
@@ -135,7 +135,8 @@ def scan_tar(
             member_start = pos
         data_off = pos + BLOCK
         size = info.size
-        if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME):
+        if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                         tarfile.GNUTYPE_LONGLINK):
             if size < 0 or size > MAX_EXTENDED_HEADER:
                 raise UnsafeTarError(f"{name}: extension header at offset {pos} of {size} bytes refused")
             if data_off + size > file_size:
@@ -147,6 +148,9 @@ def scan_tar(
                 raise UnsafeTarError(f"{name}: truncated extension header at offset {pos}")
             if info.type == tarfile.GNUTYPE_LONGNAME:
                 long_name = data.rstrip(b"\x00").decode("utf-8", "surrogateescape")
+            elif info.type == tarfile.GNUTYPE_LONGLINK:
+                # Applies to the next member, which errors must name (not "././@LongLink").
+                long_link = True
             elif info.type == tarfile.XGLTYPE:
                 global_pax.update(parse_pax(data, tar=name, offset=pos))
                 member_start = None  # a global header belongs to no member
@@ -163,11 +167,14 @@ def scan_tar(
             except ValueError as exc:
                 raise UnsafeTarError(f"{name}: member {member!r} has a bad pax size") from exc
         first = member_start
-        pax, long_name, member_start = {}, None, None
+        had_long_link = long_link
+        pax, long_name, long_link, member_start = {}, None, False, None
 
         check_member_name(member, tar=name)
         if info.type in _REFUSED:
             raise UnsafeTarError(f"{name}: member {member!r} is a {_REFUSED[info.type]}; refused")
+        if had_long_link:  # a link target on a member that claims not to be a link: refused as links are
+            raise UnsafeTarError(f"{name}: member {member!r} has a GNU long link target; refused")
         if size < 0:
             raise UnsafeTarError(f"{name}: member {member!r} has a negative size")
         if data_off + size > file_size:

@@ -186,6 +186,24 @@ def test_member_without_a_key_is_refused(tmp_path, name):
     assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
 
 
+def test_long_link_target_error_names_the_member(tmp_path):
+    # A GNU long link target (././@LongLink record) was reported as the member '././@LongLink'.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        info = tarfile.TarInfo("0001.jpg")
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"abc"))
+        link = tarfile.TarInfo("0002.jpg")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "/" + "z" * 150
+        tf.addfile(link)
+    _put(str(tmp_path), {"a.tar": buf.getvalue()})
+    with pytest.raises(UnsafeTarError, match=r"a\.tar: member '0002\.jpg' is a symlink; refused") as err:
+        index_tars(str(tmp_path), progress=False)
+    assert "LongLink" not in str(err.value)
+    assert not (tmp_path / "dataset.json").exists()
+
+
 def _truncated() -> bytes:
     """A header that claims 1 GB of data in a file of a few KB."""
     head = tarfile.TarInfo("evil.bin")

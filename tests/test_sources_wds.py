@@ -141,6 +141,31 @@ def test_hostile_members_refused(tmp_path, member, match):
         WdsTarSource(path).list_items()
 
 
+@pytest.mark.parametrize("type_, match", [
+    (tarfile.SYMTYPE, "is a symlink"),
+    (tarfile.LNKTYPE, "is a hardlink"),
+    (tarfile.REGTYPE, "has a GNU long link target"),  # a link target on a "file": refused too
+])
+def test_gnu_long_link_target_names_the_real_member(tmp_path, type_, match):
+    # GNU tar puts a target over 100 bytes in a ././@LongLink record before the member: the
+    # error named that record instead of the member.
+    member = _info("0002.jpg", type_, linkname="/" + "z" * 150)
+    data = tar_bytes([("0001.jpg", b"abc"), member], tarfile.GNU_FORMAT)
+    assert b"././@LongLink" in data
+    with pytest.raises(UnsafeTarError, match=r"evil\.tar: member '0002\.jpg' " + match) as err:
+        scan_bytes(data, name="evil.tar")
+    assert "LongLink" not in str(err.value)
+    path = tmp_path / "evil.tar"
+    path.write_bytes(data)
+    with pytest.raises(UnsafeTarError, match=r"'0002\.jpg' " + match):
+        WdsTarSource(path).list_items()
+
+
+def test_gnu_long_names_and_long_link_headers_of_fine_members_still_scan():
+    data = tar_bytes([(LONG + ".txt", b"long"), ("b.txt", b"b")], tarfile.GNU_FORMAT)
+    assert [m.name for m in scan_bytes(data)] == [LONG + ".txt", "b.txt"]
+
+
 def test_nul_in_pax_name_refused():
     info = _info("safe.txt", size=0)
     info.pax_headers = {"path": "bad\x00name.txt"}
