@@ -127,6 +127,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # stream without a cache: they bound the manifest each worker holds (reader.Dataset).
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
+        biggest = max(self.ds.shard_list, key=lambda i: i.bytes, default=None)
+        if self.cache_dir is not None and biggest is not None and biggest.bytes > self.cache_limit:
+            # Said here, not at the first batch of every worker: the shard table is known.
+            raise ConfigError(f"cache_limit {human_bytes(self.cache_limit)} is smaller than shard {biggest.path} "
+                              f"({human_bytes(biggest.bytes)}) of {self.ds.url}; raise cache_limit")
         self.shuffle, self.seed, self.shuffle_block = bool(shuffle), int(seed), int(shuffle_block)
         self.decode = decode
         self.batch_size, self.drop_last = batch_size, bool(drop_last)

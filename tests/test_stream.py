@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 import shardkit
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batching import unpack
-from shardkit.errors import IntegrityError
+from shardkit.errors import ConfigError, IntegrityError
 
 N = 600  # divisible by 1, 2, 3, 4
 
@@ -640,3 +640,12 @@ def test_a_frozen_store_is_reported_and_fails_instead_of_hanging(s3_server: Any,
     assert took < 30, took
     assert caplog.text.count("storage: no answer for") >= 2, caplog.text
     assert s3_server.secret not in caplog.text + str(err.value)
+
+
+def test_a_cache_limit_below_one_shard_is_refused_when_the_dataset_is_made(
+        local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    url, _ = local_ds
+    biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    with pytest.raises(ConfigError, match=r"cache_limit .* is smaller than shard shards/.*raise cache_limit"):
+        StreamingDataset(url, cache_dir=tmp_path, cache_limit=biggest - 1)
+    assert len(list(StreamingDataset(url, cache_dir=None, cache_limit=biggest - 1))) > 0  # no cache: no limit to meet
