@@ -323,6 +323,23 @@ def test_fields_differing_only_in_case_are_refused_or_skipped(tmp_path):
     assert [s["__key__"] for s in wds.WebDataset(str(shard), shardshuffle=False, empty_check=False)] == ["0002"]
 
 
+
+def test_upper_case_fields_of_tars_are_lowercased_as_webdataset_does(tmp_path):
+    # 0001.JPG is field "jpg" to the webdataset library; shardkit's readers (pack or index)
+    # must call it the same, as they already do for folder sources.
+    wds = pytest.importorskip("webdataset")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.tar").write_bytes(tar_bytes([("0001.JPG", b"jpeg"), ("0001.Cls", b"3")], tarfile.USTAR_FORMAT))
+    shardkit.pack(str(src), str(tmp_path / "out"), progress=False)
+    shardkit.index_tars(str(src), progress=False)
+    for root in (tmp_path / "out", src):
+        sample, = list(shardkit.StreamingDataset(str(root), decode=None))
+        assert {k: bytes(v) for k, v in sample.items() if not k.startswith("__")} == {"jpg": b"jpeg", "cls": b"3"}
+    shard = tmp_path / "out" / "shards" / "shard-000000.tar"
+    got, = list(wds.WebDataset(str(shard), shardshuffle=False, empty_check=False))
+    assert {k: v for k, v in got.items() if not k.startswith("__")} == {"jpg": b"jpeg", "cls": b"3"}
+
 def test_iterable_fields_differing_only_in_case_are_refused(tmp_path):
     items = [{"__key__": "a", "txt": "1"}, {"__key__": "b", "jpg": b"x", "JPG": b"y"}]
     with pytest.raises(SourceError) as err:

@@ -192,8 +192,8 @@ class WdsTarSource:
 
 
 def _fields(url: str, members: list[TarMember], *, check_case: bool = True) -> list[str]:
-    """Field names of one sample's members; refuses missing, bad or repeated fields, and
-    (``check_case``) fields that differ only in case, which the webdataset library cannot read."""
+    """Field names of one sample's members, lowercased; refuses missing, bad or repeated fields,
+    and (``check_case``) fields that differ only in case, which the webdataset library cannot read."""
     out: list[str] = []
     for m in members:
         _, field = split_name(m.name)
@@ -209,7 +209,9 @@ def _fields(url: str, members: list[TarMember], *, check_case: bool = True) -> l
     clash = case_clash(out) if check_case else None
     if clash is not None:
         raise SourceError(f"{url}: sample {split_name(members[0].name)[0]!r}: {case_clash_reason(*clash)}")
-    return out
+    # Lowercased as the webdataset library does (and as folder sources are): `0001.JPG` is
+    # field `jpg` to every reader, shardkit's included.
+    return [field.lower() for field in out]
 
 
 def _one_group(groups: list[tuple[str, list[TarMember]]], item: SourceItem) -> tuple[str, list[TarMember]]:
