@@ -93,6 +93,9 @@ class Claim:
         self.token = uuid.uuid4().hex
         self.started = time.time()
         self.resumed = False  # took over an unfinished pack of the same plan: its finished tasks are kept
+        # Created the claim rather than taking one over: no earlier shardkit pack left a plan
+        # here, so nothing under shards/ or manifest/ can be an unfinished pack's to sweep.
+        self.fresh = False
         self._lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,10 +133,12 @@ class Claim:
 
         Sets :attr:`resumed` when the claim taken over was of the same plan (its finished tasks
         are worth keeping); after any other takeover the caller removes what that pack wrote.
+        Sets :attr:`fresh` when there was no claim to take over (no unfinished pack here).
         """
         for _ in range(5):
             try:
                 self.store.put_create(CLAIM, self._body())
+                self.fresh = True
                 break
             except DatasetExistsError:
                 pass

@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ix = sub.add_parser("index", help="build a manifest for existing WebDataset tars in place")
     ix.add_argument("dest", help="directory or prefix holding *.tar shards (subfolders too)")
-    ix.add_argument("--overwrite", action="store_true")
+    ix.add_argument("--overwrite", action="store_true",
+                    help="replace an existing dataset.json and manifest/ (the tars are kept)")
     ix.add_argument("--json", action="store_true")
     ix.add_argument("--quiet", action="store_true")
     ix.set_defaults(func=cmd_index)

@@ -24,8 +24,8 @@ import xxhash
 
 from .errors import DatasetExistsError, SourceError, UnsafeTarError
 from .keyledger import KeyLedger
-from .manifest import (DATASET_JSON, commit, dataset_info, fragment_name, parquet_file, shards_table, write_fragment,
-                       write_shards_table)
+from .manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragment_name, parquet_file, shards_table,
+                       write_fragment, write_shards_table)
 from .progress import Progress
 from .storage import Store, attempts_for, is_transient, pause_before_retry, translate
 from .tarscan import TarMember, group_members, scan_tar, split_name
@@ -268,7 +268,9 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
 
     Args:
         dest: a dataset root (any fsspec URL) holding ``*.tar`` directly or under ``shards/``.
-        overwrite: replace an existing manifest and dataset.json (the tars are kept).
+        overwrite: replace an existing dataset.json and everything under ``manifest/`` (the
+            tars are kept). Without it, files under ``manifest/`` and no dataset.json are
+            refused rather than deleted.
         progress: show a progress bar on stderr.
         storage_options: fsspec options (credentials, endpoint).
 
@@ -276,8 +278,8 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         The committed dataset.json content.
 
     Raises:
-        DatasetExistsError: ``dest`` already holds a dataset (and not ``overwrite``), or an
-            unfinished pack is writing there.
+        DatasetExistsError: ``dest`` already holds a dataset or files under ``manifest/`` (and
+            not ``overwrite``), or an unfinished pack is writing there.
         UnsafeTarError: a tar holds a hostile member (names it); nothing is committed.
         SourceError: no tars, or a sample key repeats (names both tars).
     """
@@ -289,10 +291,13 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced manifest
     elif store.exists(_PACK_CLAIM):
         raise DatasetExistsError(f"{store.url} holds an unfinished pack ({_PACK_CLAIM}); finish or remove it first")
+    if not overwrite:
+        _refuse_foreign_manifest(store)
     tars = list_tars(store)
     if not tars:
         raise SourceError(f"no .tar files at {store.url} (looked at **/*.tar)")
-    store.remove("manifest", recursive=True)  # an uncommitted manifest is stale by definition
+    if overwrite:
+        store.remove("manifest", recursive=True)  # --overwrite replaces manifest/ as a whole
     total = sum(store.size(t) for t in tars)
     records: list[ShardRecord] = []
     files: list[str] = []
@@ -324,14 +329,33 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
                             {"index": {"tars": len(records)}})
         commit(store, info)
     except BaseException:
+        # Only what this run wrote (manifest/ was empty or cleared when it started): its
+        # fragments, the one it may have been writing, and shards.parquet.
+        ours = [fragment_name(i) for i in range(len(set(files)) + 1)] + [SHARDS_PARQUET]
         try:
-            store.remove("manifest", recursive=True)
+            for rel in ours:
+                store.remove(rel)
+            if not store.is_object_store and not store.glob("manifest/*"):
+                store.remove("manifest", recursive=True)  # the empty folder this run made
         except Exception:  # noqa: BLE001 - best-effort cleanup while the real error propagates
             log.debug("cleanup of %s/manifest failed", store.url, exc_info=True)
         raise
     log.info("indexed %d samples in %d tars (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
              info["total_bytes"], time.monotonic() - started)
     return info
+
+
+def _refuse_foreign_manifest(store: Store) -> None:
+    """DatasetExistsError when manifest/ holds anything while no dataset is committed: index
+    writes its manifest there and must not delete or mix with files it did not write (a
+    user's notes, or what an index killed midway left: --overwrite replaces those)."""
+    store.fs.invalidate_cache(store.path("manifest"))
+    found = store.glob("manifest/*")
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise DatasetExistsError(f"{store.url} holds no dataset but its manifest/ is not empty "
+                                 f"({store.url_of(found[0])}{more}); move those files away, or pass --overwrite "
+                                 "(overwrite=True) to replace manifest/ (the tars are kept)")
 
 
 def _flush(store: Store, number: int, rows: SampleRows, pending: list[ShardRecord], records: list[ShardRecord],

@@ -201,8 +201,9 @@ def _refuse_committed(store: Store) -> None:
 
 
 def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: bool = True) -> None:
-    """With this pack's claim held: refuse a committed dataset (unless ``overwrite``), and remove
-    what shardkit wrote there before unless this pack resumes it (the same plan, ``resumable``).
+    """With this pack's claim held: refuse a committed dataset, or objects under shards/ and
+    manifest/ that no earlier shardkit pack wrote (unless ``overwrite``), and remove what
+    shardkit wrote there before unless this pack resumes it (the same plan, ``resumable``).
 
     With ``overwrite`` that is everything, committed or not: shards an unfinished pack of more
     shards left would otherwise stay beside the new ones, where ``shardkit index`` and outside
@@ -212,6 +213,8 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
     if committed and not overwrite:
         claim.drop()
         _refuse_committed(store)
+    if claim.fresh and not committed and not overwrite:
+        _refuse_foreign(store, claim)
     if committed or (overwrite and not claim.resumed) or not resumable:
         store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
         for prefix in ("shards", "manifest"):
@@ -219,6 +222,20 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
         for rel in _listing(store, "_pack"):
             if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
                 store.remove(rel, recursive=True)
+
+
+def _refuse_foreign(store: Store, claim: Claim) -> None:
+    """Refuse (and drop the claim) when shards/ or manifest/ hold objects although neither a
+    dataset nor an unfinished pack's claim is here: shardkit did not write them (someone's own
+    WebDataset, notes), and the commit's sweep of strays would delete them."""
+    found = _listing(store, "shards") + _listing(store, "manifest")
+    if not found:
+        return
+    claim.drop()
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    raise DatasetExistsError(f"{store.url} holds objects under shards/ or manifest/ but no shardkit dataset or "
+                             f"unfinished pack ({store.url_of(found[0])}{more}); choose an empty prefix, or pass "
+                             "--overwrite (overwrite=True) to delete them and pack there")
 
 
 def _listing(store: Store, folder: str) -> list[str]:
@@ -234,7 +251,9 @@ def _listing(store: Store, folder: str) -> list[str]:
 
 def _sweep_strays(store: Store, results: list[TaskResult]) -> None:
     """Remove objects under shards/ and manifest/ that are not this pack's: a committed dataset
-    holds only its own shards (outside readers take every tar under shards/)."""
+    holds only its own shards (outside readers take every tar under shards/). They are what an
+    earlier, unfinished shardkit pack wrote: a pack that found objects there without such a
+    pack's claim refused to start (:func:`_refuse_foreign`), unless told to overwrite."""
     ours = {r.path for res in results for r in res.shards} | {res.fragment for res in results}
     for rel in _listing(store, "shards") + _listing(store, "manifest"):
         if rel not in ours and rel != SHARDS_PARQUET:

@@ -269,3 +269,33 @@ def test_no_tars(tmp_path):
     (tmp_path / "readme.txt").write_text("hi")
     with pytest.raises(SourceError, match="no .tar files"):
         index_tars(str(tmp_path), progress=False)
+
+
+def test_files_of_the_user_under_manifest_are_refused_not_deleted(tmp_path):
+    """``shardkit index DIR`` used to delete DIR/manifest/ as a whole before writing its own
+    manifest there, a user's notes included. Without --overwrite it now refuses, naming one;
+    --overwrite replaces manifest/ (documented so), and a failed index removes only its own files."""
+    tars = _tars()
+    _put(str(tmp_path), tars)
+    notes = tmp_path / "manifest" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("mine")
+    with pytest.raises(DatasetExistsError) as err:
+        index_tars(str(tmp_path), progress=False)
+    assert "manifest/notes.txt" in str(err.value) and "--overwrite" in str(err.value)
+    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
+    assert notes.read_text() == "mine" and not (tmp_path / "dataset.json").exists()
+    index_tars(str(tmp_path), overwrite=True, progress=False)
+    assert not notes.exists()
+    _check(str(tmp_path), tars)
+
+
+def test_failed_index_removes_only_what_it_wrote(tmp_path, monkeypatch):
+    from shardkit import index
+
+    monkeypatch.setattr(index, "FRAGMENT_ROWS", 7)  # a fragment is written before the failure
+    tars = _tars()
+    _put(str(tmp_path), {**tars, "z.tar": _tarfile_bytes([("plain.bin", b"again")])})
+    with pytest.raises(SourceError, match="duplicate sample key 'plain'"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "manifest").exists() and not (tmp_path / "dataset.json").exists()

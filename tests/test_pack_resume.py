@@ -464,14 +464,18 @@ def test_claim_held_elsewhere_is_refused_while_fresh_and_taken_over_when_stale(t
 
 def test_committed_dataset_holds_only_its_own_shards(tmp_path):
     """Objects under shards/ and manifest/ that are not the pack's own are removed before it
-    commits: outside WebDataset readers and ``shardkit index`` take every tar there."""
+    commits: outside WebDataset readers and ``shardkit index`` take every tar there. Without
+    a claim of an earlier pack they are not shardkit's: only ``overwrite`` removes them."""
     src = _small_folder(tmp_path / "src")
     dest = tmp_path / "ds"
     (dest / "shards").mkdir(parents=True)
     (dest / "manifest").mkdir()
     (dest / "shards" / "shard-000099.tar").write_bytes(b"stray")
     (dest / "manifest" / "samples-00077.parquet").write_bytes(b"stray")
-    shardkit.pack(str(src), str(dest), shard_samples=3, progress=False)
+    with pytest.raises(DatasetExistsError, match="--overwrite"):
+        shardkit.pack(str(src), str(dest), shard_samples=3, progress=False)
+    assert (dest / "shards" / "shard-000099.tar").exists() and not (dest / "_pack" / "plan.json").exists()
+    shardkit.pack(str(src), str(dest), shard_samples=3, overwrite=True, progress=False)
     ds = shardkit.open_dataset(str(dest))
     left = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert left == _dataset_objects(ds), left
@@ -511,3 +515,59 @@ def test_claim_heartbeat_and_release(tmp_path, monkeypatch):
         a.check()
     b.check()
     b.release(ended=False)
+
+
+def test_pack_never_deletes_objects_it_did_not_write(tmp_path, s3_server, s3_bucket):
+    """A prefix holding someone's own WebDataset (shards/train-000.tar) and notes under
+    manifest/, with no dataset.json and no claim of an earlier pack: the commit's sweep of
+    strays used to delete them. The pack (and the iterable pack) now refuses, naming the prefix
+    and one object, and leaves everything as it was."""
+    fs = s3_server.filesystem()
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/wds"
+    mine = {"shards/train-000.tar": b"\0" * 10240, "manifest/notes.txt": b"mine", "README": b"mine"}
+    for rel, data in mine.items():
+        fs.pipe_file(f"{dest[5:]}/{rel}", data)
+    src = _small_folder(tmp_path / "src")
+    for source in (str(src), [{"__key__": "x", "txt": "y"}]):
+        with pytest.raises(DatasetExistsError) as err:
+            shardkit.pack(source, dest, shard_samples=3, storage_options=opts, progress=False)
+        msg = str(err.value)
+        assert dest in msg and f"{dest}/shards/train-000.tar and 1 more" in msg and "--overwrite" in msg and "empty prefix" in msg
+        assert "\n" not in msg
+        assert _objects(fs, dest[5:]) == sorted(mine)  # nothing deleted, no claim left behind
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
+    cli = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", str(src), dest, "--quiet"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and "choose an empty prefix" in cli.stderr, cli.stderr
+    assert _objects(fs, dest[5:]) == sorted(mine)
+    # Told to, it replaces what is under shards/ and manifest/ (and keeps the rest).
+    info = shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, storage_options=opts, progress=False)
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert info["num_samples"] == 6 and _objects(fs, dest[5:]) == sorted([*_dataset_objects(ds), "README"])
+
+
+def test_rerun_of_a_failed_pack_still_sweeps_its_leftovers(tmp_path, monkeypatch):
+    """An earlier pack's claim (_pack/plan.json) says what is under shards/ is shardkit's: the
+    rerun resumes and removes what is not part of the dataset, as before."""
+    import shardkit.packer as packer
+
+    src = _small_folder(tmp_path / "src")
+    dest = tmp_path / "ds"
+    real = packer.run_task
+
+    def fails_on_task_1(store: Any, source: Any, plan: Any, *args: Any, **kwargs: Any) -> Any:
+        if plan.task == 1:
+            raise SourceError("task 1 fails this time")
+        return real(store, source, plan, *args, **kwargs)
+
+    monkeypatch.setattr(packer, "run_task", fails_on_task_1)
+    with pytest.raises(SourceError, match="task 1"):
+        shardkit.pack(str(src), str(dest), shard_bytes=200, progress=False)
+    monkeypatch.setattr(packer, "run_task", real)
+    assert (dest / "_pack" / "plan.json").exists()
+    (dest / "shards" / "shard-000099.tar").write_bytes(b"left by a pack of more shards")
+    info = shardkit.pack(str(src), str(dest), shard_bytes=200, progress=False)
+    assert info["reused_tasks"] >= 1
+    ds = shardkit.open_dataset(str(dest))
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == _dataset_objects(ds)
