@@ -380,3 +380,27 @@ def test_missing(tmp_path):
 def test_secrets_not_in_repr_or_describe():
     src = WdsTarSource("s3://bucket/x.tar", storage_options={"secret": "hunter2", "key": "AKIA"})
     assert "hunter2" not in repr(src) and "hunter2" not in str(src.describe())
+
+
+@pytest.mark.parametrize("other", ["README.md", "c.tar.gz", "sub/notes.txt"])
+def test_folder_of_tars_and_other_files_is_refused(tmp_path, other):
+    """A folder of WebDataset tars plus one other file used to be packed as a folder of
+    ``<key>.<field>`` files: each tar one opaque sample (field ``tar``), exit 0."""
+    from shardkit.cli import main as cli_main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.tar").write_bytes(tar_bytes(SAMPLES))
+    (src / "b.tar").write_bytes(tar_bytes([("q.txt", b"q")]))
+    (src / ".hidden").write_text("ignored, as everywhere in folder sources")
+    assert isinstance(resolve_source(str(src)), WdsTarSource)
+    (src / other).parent.mkdir(exist_ok=True)
+    (src / other).write_bytes(b"not a plain tar")
+    with pytest.raises(SourceError) as err:
+        resolve_source(str(src))
+    msg = str(err.value)
+    assert f"source {src} holds 2 .tar files and 1 other file ({other}" in msg and "\n" not in msg
+    assert "only .tar files" in msg and "move the other files out" in msg
+    assert ("compressed tars are not supported" in msg) == other.endswith(".tar.gz")
+    assert cli_main(["pack", str(src), str(tmp_path / "ds"), "--quiet"]) == 1
+    assert not (tmp_path / "ds").exists()

@@ -15,6 +15,7 @@ from .files import FileListSource, FolderSource, ImageFolderSource
 __all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "resolve_source"]
 
 _HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+_COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 
@@ -22,9 +23,10 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
                    hdf5_rows: str | None = None) -> Source:
     """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
 
-    Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards; only
-    ``.npy``/``.npz`` -> arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an
-    ImageFolder with ``labels_from_dirs``). ``hdf5_rows`` with a source that is not HDF5 is
+    Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
+    (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
+    arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
+    ``labels_from_dirs``). ``hdf5_rows`` with a source that is not HDF5 is
     a ConfigError, not silently ignored.
     """
     src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
@@ -35,6 +37,25 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
             raise ConfigError(f"hdf5_rows (--hdf5-rows {hdf5_rows}) applies to HDF5 sources only; "
                               f"{source} is a {src.describe().get('type', type(src).__name__)} source")
     return src
+
+
+def _mixed_tars(path: Path, files: list[Path]) -> str:
+    """The refusal for a folder of ``.tar`` files and other files: packed as a keyed folder,
+    each tar would become one opaque sample (field ``tar``), silently; as tars, the other
+    files would be dropped, silently. Neither is safe to guess."""
+    tars = [p for p in files if p.suffix.lower() == ".tar"]
+    others = [p for p in files if p.suffix.lower() != ".tar"]
+    compressed = [p for p in others if p.name.lower().endswith(_COMPRESSED_TARS)]
+    shown = (compressed or others)[0]
+    what = (f"{shown.relative_to(path)}: compressed tars are not supported, decompress it to .tar" if compressed
+            else str(shown.relative_to(path)))
+
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}{'' if n == 1 else 's'}"
+
+    return (f"source {path} holds {count(len(tars), '.tar file')} and {count(len(others), 'other file')} ({what}): "
+            "a folder of WebDataset tars must hold only .tar files; move the other files out, or the tars into "
+            "a folder of their own")
 
 
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
@@ -73,10 +94,13 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
-    suffixes = {p.suffix.lower() for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    suffixes = {p.suffix.lower() for p in files}
     if not suffixes:
         raise SourceError(f"source {path} holds no files")
-    if suffixes == {".tar"}:
+    if ".tar" in suffixes:
+        if suffixes != {".tar"}:
+            raise SourceError(_mixed_tars(path, files))
         from .wds import WdsTarSource
         return WdsTarSource(str(path))
     if suffixes <= {".npy", ".npz"}:
