@@ -222,6 +222,21 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
         for rel in _listing(store, "_pack"):
             if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
                 store.remove(rel, recursive=True)
+        _abort_uploads(store)
+
+
+def _abort_uploads(store: Store) -> None:
+    """Abort multipart uploads under shards/ and manifest/ that packs killed mid-upload left
+    (their parts stay in the bucket, billed, until aborted). Called with the claim held and
+    no upload of this pack running: any such upload belongs to a pack that is gone. Only those
+    two folders, where packs write: never the uploads of anyone else under the prefix."""
+    try:
+        for key in store.abort_uploads(("shards", "manifest")):
+            log.info("aborted the unfinished multipart upload of %s left by an earlier pack", key)
+    except ShardkitError as exc:  # a store without the call, or no permission for it: not worth failing the pack
+        log.warning("%s: could not list or abort unfinished multipart uploads under shards/ and manifest/ (%s); "
+                    "an interrupted pack may have left some (S3 bills their parts until they are aborted)",
+                    store.url, exc)
 
 
 def _refuse_foreign(store: Store, claim: Claim) -> None:
@@ -418,6 +433,7 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
         # A racing pack of the same plan committed first: leave its manifest untouched.
         raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
     _sweep_strays(store, results)
+    _abort_uploads(store)
     write_shards_table(store, table)
     fields = sorted({f for res in results for f in res.fields})
     skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]

@@ -9,6 +9,7 @@ translated into a :mod:`shardkit.errors` class whose message names the object, n
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, BinaryIO, Callable, Iterator, TypeVar
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -543,6 +544,39 @@ class Store:
             return self.fs.open(self.path(rel), "wb", block_size=block_size)
         except Exception as exc:  # noqa: BLE001
             raise translate(exc, rel, self.where) from exc
+
+    def abort_uploads(self, folders: Iterable[str]) -> list[str]:
+        """Abort the incomplete multipart uploads whose keys lie under ``folders`` (relative to
+        the root) and return their keys. S3 keeps the parts of an upload whose writer died,
+        invisible in listings and billed, until it is aborted; elsewhere a dead writer leaves a
+        temp file or nothing, so this does nothing there."""
+        if not self.is_s3:
+            return []
+        fs = self.fs
+        aborted: list[str] = []
+        for folder in folders:
+            bucket, prefix = self.bucket_key(folder)
+            prefix = prefix.rstrip("/") + "/"
+            params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+            while True:
+                page = self.call(functools.partial(fs.call_s3, "list_multipart_uploads", **params),
+                                 f"{folder}/ (multipart uploads)")
+                for up in page.get("Uploads") or []:
+                    key = up["Key"]
+                    if key.startswith(prefix):  # a store that ignores Prefix lists the whole bucket
+                        self.call(functools.partial(self._abort_upload, bucket, key, up["UploadId"]), key)
+                        aborted.append(key)
+                if not page.get("IsTruncated"):
+                    break
+                params = {"Bucket": bucket, "Prefix": prefix, "KeyMarker": page.get("NextKeyMarker", ""),
+                          "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+        return aborted
+
+    def _abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except FileNotFoundError:
+            pass  # completed or aborted meanwhile (NoSuchUpload)
 
     @property
     def is_s3(self) -> bool:

@@ -571,3 +571,61 @@ def test_rerun_of_a_failed_pack_still_sweeps_its_leftovers(tmp_path, monkeypatch
     assert info["reused_tasks"] >= 1
     ds = shardkit.open_dataset(str(dest))
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == _dataset_objects(ds)
+
+
+def _start_upload(fs: Any, path: str) -> None:
+    """An incomplete multipart upload of ``path`` (bucket/key) with one part, as a pack killed
+    while uploading a shard leaves it."""
+    bucket, key = path.split("/", 1)
+    up = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=1, Body=b"x" * 1024)
+
+
+def _uploads(fs: Any, bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads") or [])
+
+
+def test_unfinished_multipart_uploads_are_aborted_at_commit_and_overwrite(tmp_path, s3_server, s3_bucket):
+    """A pack killed mid-upload left an incomplete multipart upload (parts billed, invisible in
+    listings) that neither a successful rerun nor --overwrite removed. The commit, and the
+    clearing of an --overwrite, abort those under the dataset's shards/ and manifest/; uploads
+    elsewhere (beside the dataset, in another prefix) are not the pack's and stay."""
+    fs = s3_server.filesystem()
+    opts = s3_server.storage_options()
+    bucket = s3_bucket[5:]
+    dest = f"{s3_bucket}/ds"
+    src = _small_folder(tmp_path / "src")
+    stay = [f"{bucket}/ds/other/mine.bin", f"{bucket}/ds2/shards/shard-000001.tar", f"{bucket}/ds-shards.tar"]
+    for path in [f"{bucket}/ds/shards/shard-000001.tar", f"{bucket}/ds/manifest/samples-00000.parquet", *stay]:
+        _start_upload(fs, path)
+    assert len(_uploads(fs, bucket)) == 5
+    shardkit.pack(str(src), dest, shard_samples=3, storage_options=opts, progress=False)
+    assert _uploads(fs, bucket) == sorted(p.split("/", 1)[1] for p in stay)
+
+    _start_upload(fs, f"{bucket}/ds/shards/shard-000007.tar")
+
+    def boom(sample: Any) -> Any:
+        raise SourceError(f"{sample.key}: transform fails")
+
+    with pytest.raises(SourceError, match="transform fails"):
+        shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, transform=boom, storage_options=opts,
+                      progress=False)
+    assert _uploads(fs, bucket) == sorted(p.split("/", 1)[1] for p in stay)
+
+
+def test_multipart_uploads_not_listable_only_warn(tmp_path, s3_server, s3_bucket, monkeypatch, caplog):
+    """A store that cannot list multipart uploads (no permission, not implemented) must not
+    fail a pack that is otherwise complete: it is said in a warning."""
+    from shardkit.errors import StoragePermissionError
+    from shardkit.storage import Store
+
+    def denied(self: Any, folders: Any) -> list[str]:
+        raise StoragePermissionError("access denied to shards/ (multipart uploads): check credentials (AccessDenied)")
+
+    monkeypatch.setattr(Store, "abort_uploads", denied)
+    src = _small_folder(tmp_path / "src")
+    with caplog.at_level("WARNING", logger="shardkit.packer"):
+        info = shardkit.pack(str(src), f"{s3_bucket}/ds", shard_samples=3, storage_options=s3_server.storage_options(),
+                             progress=False)
+    assert info["num_samples"] == 6
+    assert "could not list or abort unfinished multipart uploads" in caplog.text
