@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from .cachefs import pid_alive
@@ -196,6 +198,32 @@ def _sweep_temp(store: Store) -> None:
             store.remove(rel)
 
 
+def _local_path(text: str) -> Path | None:
+    """The resolved local path a source or destination string names, None if it is remote."""
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        return None
+    return Path(text).expanduser().resolve()
+
+
+def _refuse_nested(source: Any, store: Store) -> None:
+    """ConfigError when DEST lies inside a local SOURCE folder (a rerun packs the earlier output
+    as input: its files become samples, its folder a class) or SOURCE inside DEST (an
+    --overwrite deletes what it packs)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    src, dst = _local_path(os.fspath(source)), _local_path(store.url)
+    if src is None or dst is None:
+        return
+    if dst == src or src in dst.parents:
+        raise ConfigError(f"destination {dst} is inside the source {src}: a rerun would pack this pack's output as "
+                          "input; choose a destination outside the source")
+    if dst in src.parents:
+        raise ConfigError(f"source {src} is inside the destination {dst}: packing there would write over (and "
+                          "--overwrite delete) the input; choose a destination outside the source")
+
+
 def _refuse_committed(store: Store) -> None:
     raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
 
@@ -302,6 +330,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     if shard_samples is not None and shard_samples < 1:
         raise ConfigError(f"shard_samples: must be >= 1, got {shard_samples}")
     store = Store(dest, storage_options)
+    _refuse_nested(source, store)
     desc = transform.describe() if hasattr(transform, "describe") else ({"callable": repr(transform)} if transform else {})
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
     if not isinstance(source, (str, bytes)) and not hasattr(source, "list_items") and hasattr(source, "__iter__") \

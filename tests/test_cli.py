@@ -96,6 +96,27 @@ def test_bad_usage_exits_2(args: tuple[str, ...], source: Path, tmp_path: Path) 
     assert not dest.exists()
 
 
+@pytest.mark.parametrize("where", ["dest-in-source", "source-in-dest", "same", "via-symlink"])
+def test_destination_and_source_nested_are_refused(where: str, source: Path, tmp_path: Path) -> None:
+    """``pack SRC SRC/packed`` was accepted: its rerun packed the earlier output as input (a class
+    ``packed``, old shards as samples), and --overwrite deleted it first. Refused now, both ways."""
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    src, dest = {"dest-in-source": (source, source / "packed"), "source-in-dest": (source, source.parent),
+                 "same": (source, source), "via-symlink": (source, link / "packed")}[where]
+    before = sorted(p.name for p in source.iterdir())
+    for extra in ((), ("--overwrite",)):
+        r = cli("pack", str(src), str(dest), "--quiet", *extra)
+        assert r.returncode == 2, r.stderr
+        line = one_line(r.stderr)
+        assert str(source) in line and ("inside the source" in line or "inside the destination" in line), line
+        if where != "source-in-dest":
+            assert str(source / "packed") in line or where == "same"
+    assert sorted(p.name for p in source.iterdir()) == before
+    with pytest.raises(shardkit.errors.ConfigError, match="choose a destination outside the source"):
+        shardkit.pack(f"file://{src}", str(dest), progress=False)
+
+
 def test_cli_on_s3_never_shows_the_secret(source: Path, s3_server: Any, s3_bucket: str) -> None:
     env = s3_server.env()
     url = f"{s3_bucket}/ds"
