@@ -162,7 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--resize", type=int, default=None, metavar="SHORTER_SIDE", help="resize images (shorter side)")
     pk.add_argument("--bgr-to-rgb", action="store_true", help="swap channels of 3-channel images")
     pk.add_argument("--predecode", action="store_true", help="store images decoded as uint8 .npy")
-    pk.add_argument("--overwrite", action="store_true", help="replace an existing dataset at DEST")
+    pk.add_argument("--overwrite", action="store_true",
+                    help="replace an existing dataset at DEST; the old one is removed when the pack starts (after "
+                         "options, source and plan are checked), so a pack that fails leaves none; to keep it "
+                         "readable until the new one is done, pack to a new prefix and switch to it")
     pk.add_argument("--json", action="store_true")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(func=cmd_pack)

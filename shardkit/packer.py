@@ -228,7 +228,19 @@ def _refuse_committed(store: Store) -> None:
     raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
 
 
-def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: bool = True) -> None:
+def _say_replaced(exc: BaseException, store: Store) -> None:
+    """Add to the error of a pack that failed after its --overwrite removed the old dataset that
+    it did so: the user must not believe the old dataset is still there to fall back on."""
+    note = (f"; the old dataset at {store.url} was removed when this --overwrite pack started "
+            "(fix the cause and rerun to pack there again)")
+    if exc.args and isinstance(exc.args[0], str):
+        first, nl, rest = exc.args[0].partition("\n")
+        exc.args = (first + note + nl + rest, *exc.args[1:])
+    if note not in str(exc):  # an interrupt, or an error that formats its message itself
+        log.warning("%s", note[2:])
+
+
+def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: bool = True) -> bool:
     """With this pack's claim held: refuse a committed dataset, or objects under shards/ and
     manifest/ that no earlier shardkit pack wrote (unless ``overwrite``), and remove what
     shardkit wrote there before unless this pack resumes it (the same plan, ``resumable``).
@@ -236,6 +248,8 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
     With ``overwrite`` that is everything, committed or not: shards an unfinished pack of more
     shards left would otherwise stay beside the new ones, where ``shardkit index`` and outside
     WebDataset readers find them.
+
+    Returns whether a committed dataset was removed (``overwrite``).
     """
     committed = store.exists(DATASET_JSON)
     if committed and not overwrite:
@@ -244,13 +258,19 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
     if claim.fresh and not committed and not overwrite:
         _refuse_foreign(store, claim)
     if committed or (overwrite and not claim.resumed) or not resumable:
-        store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
-        for prefix in ("shards", "manifest"):
-            store.remove(prefix, recursive=True)
-        for rel in _listing(store, "_pack"):
-            if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
-                store.remove(rel, recursive=True)
-        _abort_uploads(store)
+        try:
+            store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
+            for prefix in ("shards", "manifest"):
+                store.remove(prefix, recursive=True)
+            for rel in _listing(store, "_pack"):
+                if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
+                    store.remove(rel, recursive=True)
+            _abort_uploads(store)
+        except BaseException as exc:
+            if committed:  # dataset.json may be gone already
+                _say_replaced(exc, store)
+            raise
+    return committed
 
 
 def _abort_uploads(store: Store) -> None:
@@ -319,7 +339,10 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         engine: ``"local"`` (in this process) or ``"ray"`` (one Ray task per planned task).
         on_error: ``"raise"`` stops at the first bad input naming it; ``"skip"`` leaves it out
             and lists it under ``skipped`` in dataset.json.
-        overwrite: replace a dataset already committed at ``dest``.
+        overwrite: replace a dataset already committed at ``dest``. The old dataset is removed
+            when the pack starts (once options, source, plan and claim are checked), not when
+            the new one commits: a pack that then fails leaves no dataset there (its error says
+            so). To keep the old one readable until the new one is done, pack to a new prefix.
         transform: a :class:`~shardkit.transforms.Transform` or callable applied to each sample.
     """
     if engine not in ("local", "ray"):
@@ -357,15 +380,25 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
                                         "task_bytes": opts.task_bytes})
     claim.take(overwrite)
+    replaced = False
     try:
-        _prepare_destination(store, claim, overwrite)
+        if engine == "ray":
+            # Reach Ray (or fail naming it) before an --overwrite removes the old dataset.
+            from .ray_engine import ensure_ray
+
+            ensure_ray(ray_address)
+        # Everything checkable is checked by now (options, source listed, plan made, claim
+        # taken): only from here on may an --overwrite remove the old dataset.
+        replaced = _prepare_destination(store, claim, overwrite)
         _sweep_temp(store)
         runner = _run_ray if engine == "ray" else _run_local
         results = runner(store, src, plan, opts, progress, ray_address, claim.check)
         return _commit(store, src.describe(), src.labels(), results, started, engine, opts, claim,
                        listing.skipped if listing is not None else [])
-    except BaseException:
+    except BaseException as exc:
         claim.release(ended=True)
+        if replaced:
+            _say_replaced(exc, store)
         raise
 
 
@@ -419,12 +452,15 @@ def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOpti
     claim = Claim(store, ITERABLE_PLAN, {"source": {"type": "iterable"}, "shard_bytes": opts.shard_bytes,
                                          "shard_samples": opts.shard_samples, "transform": opts.transform_desc})
     claim.take(overwrite)
+    replaced = False
     try:
         # An iterable cannot be replanned, so a rerun starts over: clear what an earlier run left.
-        _prepare_destination(store, claim, overwrite, resumable=False)
+        replaced = _prepare_destination(store, claim, overwrite, resumable=False)
         return _pack_iterable_claimed(items, store, opts, show, started, claim)
-    except BaseException:
+    except BaseException as exc:
         claim.release(ended=True)
+        if replaced:
+            _say_replaced(exc, store)
         raise
 
 

@@ -629,3 +629,75 @@ def test_multipart_uploads_not_listable_only_warn(tmp_path, s3_server, s3_bucket
                              progress=False)
     assert info["num_samples"] == 6
     assert "could not list or abort unfinished multipart uploads" in caplog.text
+
+
+def _intact(dest: str, info: dict[str, Any], opts: dict[str, Any] | None = None) -> None:
+    ds = shardkit.open_dataset(dest, storage_options=opts)
+    assert ds.info["created"] == info["created"] and ds.num_samples == info["num_samples"]
+    ds.verify(deep=True)
+
+
+def test_overwrite_that_cannot_start_leaves_the_old_dataset(tmp_path, s3_server, s3_bucket, monkeypatch):
+    """--overwrite removes the old dataset when the pack starts: only once everything that can
+    be checked first was (options, source, its listing, the plan, the claim, Ray)."""
+    import shardkit.ray_engine
+    from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError
+
+    def unreachable(address: str | None) -> None:
+        # As ensure_ray fails on an address nothing answers at; the real one would use the
+        # session's local Ray whatever the address if an earlier test started it.
+        raise ShardkitError(f"cannot reach Ray at {address}: nothing answers")
+
+    monkeypatch.setattr(shardkit.ray_engine, "ensure_ray", unreachable)
+    opts = s3_server.storage_options()
+    dest = f"{s3_bucket}/ds"
+    src = _small_folder(tmp_path / "src")
+    (tmp_path / "empty").mkdir()
+    info = shardkit.pack(str(src), dest, shard_samples=3, storage_options=opts, progress=False)
+    bad: list[tuple[type[Exception], str, dict[str, Any]]] = [
+        (SourceNotFoundError, "does not exist", {"source": str(tmp_path / "missing")}),
+        (SourceError, "holds no files", {"source": str(tmp_path / "empty")}),
+        (ConfigError, "shard_bytes", {"shard_bytes": "12XB"}),
+        (ConfigError, "on_error", {"on_error": "ignore"}),
+        (ConfigError, "hdf5_rows", {"hdf5_rows": "x"}),
+        (ShardkitError, "cannot reach Ray at 127.0.0.1:1", {"engine": "ray", "ray_address": "127.0.0.1:1"}),
+    ]
+    for kind, match, kwargs in bad:
+        args: dict[str, Any] = {"source": str(src), "shard_samples": 3, **kwargs}
+        with pytest.raises(kind, match=match):
+            shardkit.pack(args.pop("source"), dest, overwrite=True, storage_options=opts, progress=False, **args)
+        _intact(dest, info, opts)
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
+    for argv in ([str(tmp_path / "missing"), dest], [str(src), dest, "--reencode", "gif:200"]):
+        r = subprocess.run([sys.executable, "-m", "shardkit.cli", "pack", *argv, "--overwrite", "--quiet"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "removed" not in r.stderr, r.stderr
+        _intact(dest, info, opts)
+
+
+def test_overwrite_that_fails_later_says_the_old_dataset_was_removed(tmp_path):
+    """What cannot be checked before (a bad input met while packing) fails the pack after the
+    old dataset is gone: the error says so, and only then."""
+    src = _small_folder(tmp_path / "src")
+    dest = str(tmp_path / "ds")
+
+    def boom(sample: Any) -> Any:
+        if sample.key == "k4":
+            raise SourceError("k4: cannot be transformed")
+        return sample
+
+    shardkit.pack(str(src), dest, shard_samples=3, progress=False)
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, transform=boom, progress=False)
+    msg = str(err.value)
+    assert (f"k4: cannot be transformed; the old dataset at {dest} was removed when this --overwrite pack "
+            "started") in msg, msg
+    assert "\n" not in msg
+    # Nothing was committed there now: a failing rerun (even with --overwrite) removes no dataset.
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, transform=boom, progress=False)
+    assert "was removed" not in str(err.value)
+    items = [{"__key__": "a", "txt": "x"}, {"__key__": "a", "txt": "again"}]  # a repeated key fails the pack
+    shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, progress=False)
+    with pytest.raises(shardkit.errors.ShardkitError, match=f"the old dataset at {dest} was removed"):
+        shardkit.pack(items, dest, overwrite=True, progress=False)
