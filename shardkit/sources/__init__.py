@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import ConfigError, SourceError, SourceNotFoundError
 from ..storage import refuse_url_credentials
@@ -39,21 +39,31 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     return src
 
 
-def _mixed_tars(path: Path, files: list[Path]) -> str:
+def _files(path: Path) -> Iterator[Path]:
+    """Every file under ``path``, hidden ones aside (a generator: a folder may hold 20 M)."""
+    return (p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _mixed_tars(path: Path) -> str:
     """The refusal for a folder of ``.tar`` files and other files: packed as a keyed folder,
     each tar would become one opaque sample (field ``tar``), silently; as tars, the other
-    files would be dropped, silently. Neither is safe to guess."""
-    tars = [p for p in files if p.suffix.lower() == ".tar"]
-    others = [p for p in files if p.suffix.lower() != ".tar"]
-    compressed = [p for p in others if p.name.lower().endswith(_COMPRESSED_TARS)]
-    shown = (compressed or others)[0]
-    what = (f"{shown.relative_to(path)}: compressed tars are not supported, decompress it to .tar" if compressed
-            else str(shown.relative_to(path)))
+    files would be dropped, silently. Neither is safe to guess. (Lists the folder again: only
+    on this error.)"""
+    tars, others, compressed = 0, [], []
+    for p in _files(path):
+        if p.suffix.lower() == ".tar":
+            tars += 1
+        else:
+            others.append(p.relative_to(path))
+            if p.name.lower().endswith(_COMPRESSED_TARS):
+                compressed.append(p.relative_to(path))
+    shown = min(compressed or others)
+    what = f"{shown}: compressed tars are not supported, decompress it to .tar" if compressed else str(shown)
 
     def count(n: int, noun: str) -> str:
         return f"{n} {noun}{'' if n == 1 else 's'}"
 
-    return (f"source {path} holds {count(len(tars), '.tar file')} and {count(len(others), 'other file')} ({what}): "
+    return (f"source {path} holds {count(tars, '.tar file')} and {count(len(others), 'other file')} ({what}): "
             "a folder of WebDataset tars must hold only .tar files; move the other files out, or the tars into "
             "a folder of their own")
 
@@ -94,13 +104,12 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    suffixes = {p.suffix.lower() for p in files}
+    suffixes = {p.suffix.lower() for p in _files(path)}
     if not suffixes:
         raise SourceError(f"source {path} holds no files")
     if ".tar" in suffixes:
         if suffixes != {".tar"}:
-            raise SourceError(_mixed_tars(path, files))
+            raise SourceError(_mixed_tars(path))
         from .wds import WdsTarSource
         return WdsTarSource(str(path))
     if suffixes <= {".npy", ".npz"}:
