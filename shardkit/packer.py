@@ -93,6 +93,12 @@ def run_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[Sourc
         if own:
             up.close(check=False)
         raise
+    finally:
+        # A source may keep inputs open across the task's loads (Hdf5Source in rows mode);
+        # they close here, so a pack leaves no file open in the process that ran it.
+        task_done = getattr(source, "task_done", None)
+        if callable(task_done):
+            task_done()
     if own:
         up.close()
     return result

@@ -35,7 +35,13 @@ class SourceItem:
 
 @runtime_checkable
 class Source(Protocol):
-    """An input that can be packed."""
+    """An input that can be packed.
+
+    A source may also define ``task_done()``, which the packer calls in the task's process
+    after each pack task's last ``load``: a source that keeps inputs open between loads (an
+    HDF5 file read row by row) closes them there; a later ``load`` must reopen them. It is
+    not part of the protocol, so sources without it still match.
+    """
 
     def list_items(self) -> list[SourceItem]:
         """All items in a deterministic order; raises SourceError if missing or empty."""
