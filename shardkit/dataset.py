@@ -10,6 +10,7 @@ process.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -217,6 +218,19 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         state = {"epoch": self.epoch, "remaining": self._remaining}
         write_replace(os.path.join(self._control, "control.json"), json.dumps(state).encode())
 
+    def _first_to_say(self, what: str) -> bool:
+        """True for the first reader of this dataset object (the rank's main process or any of
+        its DataLoader workers, in any epoch) to ask about ``what``, False for the others: a
+        warning every worker would give is said once per rank. A marker in the control dir,
+        which the rank's processes share, is created exclusively by the first."""
+        try:
+            os.close(os.open(os.path.join(self._control, f"said-{what}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:  # the control dir is gone: better a line per worker than none
+            return True
+        return True
+
     def _read_control(self) -> tuple[int, list[Range]]:
         # Persistent workers hold an old copy of this object: the control file is the truth.
         try:
@@ -322,7 +336,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.plan(sched)
             planned = worker_schedule(order, ranges)
             if source.cache is None:  # read only the segments of shards this reader needs
-                source.segment_plan = SegmentPlanner(order, ranges, source.rows)
+                source.segment_plan = SegmentPlanner(order, ranges, source.rows,
+                                                     functools.partial(self._first_to_say, "waste"))
                 planned = source.segment_plan.split(planned)
             runs = _Lookahead(planned, _LOOKAHEAD, source, sched)
             if self.batch_size is None:

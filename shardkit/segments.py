@@ -36,7 +36,7 @@ GAP_BYTES = 1 << 20
 SEGMENT_BYTES = 64 << 20
 _PLANS_KEPT = 64  # shard plans one reader keeps (a shuffle block needs a few at a time)
 WASTE_WARNING = 1.5  # read / needed bytes of a shard above which a reader says so, once
-_warned = False
+_warned = False  # this process has warned, or been told another reader of its rank did
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,15 @@ class SegmentPlanner:
         order: the epoch sequence.
         ranges: the reader's G ranges (a worker's share; may repeat positions when padded).
         rows: the manifest rows of a shard (offsets and sizes of its samples).
+        may_warn: asked once, when this process would first warn that it fetches much more
+            than its samples: False if another reader of the rank (a sibling DataLoader
+            worker) has said so already. Default: always this process's first time.
     """
 
-    def __init__(self, order: EpochOrder, ranges: Sequence[Range], rows: Callable[[int], ShardRows]) -> None:
+    def __init__(self, order: EpochOrder, ranges: Sequence[Range], rows: Callable[[int], ShardRows],
+                 may_warn: Callable[[], bool] | None = None) -> None:
         self.order, self.rows = order, rows
+        self._may_warn = may_warn
         arr = np.asarray(list(ranges), dtype=np.int64).reshape(-1, 2)
         self._starts, self._stops = arr[:, 0], arr[:, 1]
         block_of = np.empty(order.num_shards, np.int64)
@@ -137,7 +142,7 @@ class SegmentPlanner:
         starts = rows.offset[positions].astype(np.int64)
         ends = starts + rows.size[positions].astype(np.int64)
         segment, lo, hi = merge_segments(starts, ends, GAP_BYTES, SEGMENT_BYTES)
-        _warn_if_wasteful(shard, int(np.sum(hi - lo)), int(np.sum(ends - starts)))
+        _warn_if_wasteful(shard, int(np.sum(hi - lo)), int(np.sum(ends - starts)), self._may_warn)
         return ShardSegments(positions, segment, lo, hi)
 
     def segments_of(self, runs: Iterable[Run]) -> list[tuple[int, int]]:
@@ -163,7 +168,7 @@ class SegmentPlanner:
                 yield shard, positions[a:z]
 
 
-def _warn_if_wasteful(shard: int, read: int, needed: int) -> None:
+def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[], bool] | None) -> None:
     # DataLoader workers reading a shuffled order without a cache each need a random share of
     # every shard; when their samples are small, the gaps between them are too, and reading
     # them beats a request per sample, so each worker fetches most of the shard.
@@ -171,6 +176,10 @@ def _warn_if_wasteful(shard: int, read: int, needed: int) -> None:
     if _warned or read <= WASTE_WARNING * needed:
         return
     _warned = True
+    # Every worker of the rank gets here at about the same time: one line per rank, not one
+    # per worker (each with its own figure), is what the user needs.
+    if may_warn is not None and not may_warn():
+        return
     log.warning("reading without a cache, this reader fetches %.1fx the bytes of its samples (shard %d): "
                 "DataLoader workers take turns in batches, and in a shuffled order a shard's small samples "
                 "are spread over all of them; a cache_dir (a local disk, or /dev/shm with a cache_limit) "

@@ -113,3 +113,21 @@ def test_a_reader_fetching_much_more_than_its_samples_is_told_once(monkeypatch: 
         half.plan(0), half.plan(1)
     assert caplog.text.count("reading without a cache, this reader fetches") == 1
     assert "cache_dir" in caplog.text
+
+
+def test_a_reader_another_has_spoken_for_stays_quiet(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # Each DataLoader worker of a rank wastes about as much: the rank says so once, so a worker
+    # whose may_warn says a sibling has already spoken prints nothing (and is asked only once).
+    order = EpochOrder([400, 400], seed=5, shuffle=True, block_shards=1)
+    rows = fake_rows(order, 0)
+    asked: list[int] = []
+    for spoken, expected in ((True, 0), (False, 1)):
+        monkeypatch.setattr(segments, "_warned", False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardkit"):
+            planner = SegmentPlanner(order, worker_ranges([(0, 800)], 1, 2, 16), rows.__getitem__,
+                                     lambda s=spoken: asked.append(1) or not s)
+            planner.plan(0), planner.plan(1)
+        assert caplog.text.count("reading without a cache") == expected
+    assert len(asked) == 2

@@ -529,6 +529,32 @@ def test_no_cache_workers_fetch_only_their_own_samples(s3_env: Any, s3_bucket: s
     assert shuffled.stats()["bytes_fetched"] <= 2.01 * needed
 
 
+_WASTE_SCRIPT = """
+import sys, shardkit
+url = sys.argv[1]
+ds = shardkit.StreamingDataset(url, cache_dir=None, shuffle=True, batch_size=64)
+for epoch in range(2):  # workers are made again each epoch (not persistent)
+    ds.set_epoch(epoch)
+    assert sum(len(b["__key__"]) for b in shardkit.StreamingDataLoader(ds, num_workers=3)) == 6000
+"""
+
+
+def test_no_cache_waste_is_warned_once_per_rank_not_per_worker(tmp_path: Path) -> None:
+    # Every worker of a shuffled rank without a cache fetches most of each shard of small
+    # samples, and each printed the same warning with its own figure (4 workers: 4 lines per
+    # rank, every epoch). The rank now says it once.
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "ds")
+    shardkit.pack(iter(fixed_samples(6000, 300)), url, shard_bytes="400KB", progress=False)
+    r = subprocess.run([sys.executable, "-c", _WASTE_SCRIPT, url], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "reading without a cache" in line]
+    assert len(lines) == 1, r.stderr
+    assert "x the bytes of its samples" in lines[0]
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_no_cache_holds_segments_not_whole_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   shuffle: bool) -> None:
