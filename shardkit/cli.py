@@ -42,6 +42,18 @@ def check_scheme(url: str, what: str) -> None:
             pass  # a known scheme whose package is missing: storage says which one
 
 
+def sample_rate(samples: int, seconds: float) -> str:
+    """``samples`` over ``seconds`` for the pack summary: whole samples/s when there are many,
+    one decimal below 10, and seconds per sample below one a second (huge samples: 2 samples
+    of 300 MB in 5.8 s read "0 samples/s" when rounded to whole samples)."""
+    rate = samples / max(seconds, 1e-9)
+    if rate >= 10 or samples == 0:
+        return f"{rate:.0f} samples/s"
+    if rate >= 1:
+        return f"{rate:.1f} samples/s"
+    return f"{seconds / samples:.1f} s/sample"
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from .packer import pack
     from .transforms import transform_from_options
@@ -60,7 +72,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         rate = info["total_bytes"] / max(info["elapsed_seconds"], 1e-9) / 1e6
         print(f"packed {info['num_samples']} samples into {info['num_shards']} shards "
               f"({human_bytes(info['total_bytes'])}) at {args.dest} in {info['elapsed_seconds']:.1f}s "
-              f"({rate:.1f} MB/s, {info['num_samples'] / max(info['elapsed_seconds'], 1e-9):.0f} samples/s)")
+              f"({rate:.1f} MB/s, {sample_rate(info['num_samples'], info['elapsed_seconds'])})")
         if info["reused_tasks"]:
             print(f"resumed: {info['reused_tasks']} of {info['tasks']} tasks were already complete")
         if info["skipped"]:

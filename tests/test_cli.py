@@ -329,3 +329,18 @@ def test_bench_help_from_the_console_script() -> None:
         assert r.stdout.startswith("usage: shardkit bench"), r.stdout
         for option in ("--quick", "--images", "--no-peers", "--out"):
             assert option in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("samples, seconds, shown", [
+    (2, 5.8, "2.9 s/sample"),          # huge samples: was "0 samples/s"
+    (1, 0.5, "2.0 samples/s"),
+    (3, 1.0, "3.0 samples/s"),
+    (10, 1.0, "10 samples/s"),
+    (500_000, 47.0, "10638 samples/s"),
+    (0, 1.0, "0 samples/s"),
+    (5, 0.0, "5000000000 samples/s"),  # no time measured: no division by zero
+])
+def test_pack_summary_rate_is_never_rounded_to_zero(samples: int, seconds: float, shown: str) -> None:
+    from shardkit.cli import sample_rate
+
+    assert sample_rate(samples, seconds) == shown
