@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import pickle
 import random
@@ -18,18 +17,7 @@ from shardkit.errors import SourceError  # noqa: E402
 from shardkit.sample import StreamedField  # noqa: E402
 from shardkit.sources import hdf5 as hdf5mod  # noqa: E402
 from shardkit.sources.hdf5 import Hdf5Source  # noqa: E402
-
-
-def saved(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr)
-    return buf.getvalue()
-
-
-def body(value) -> bytes:
-    if isinstance(value, StreamedField):
-        return b"".join(value.chunks())
-    return bytes(value)
+from test_sources_arrays import body, saved  # noqa: E402
 
 
 def make_rows(path: Path, layout: str, n: int = 1000, seed: int = 0) -> dict[str, np.ndarray]:
