@@ -33,7 +33,7 @@ from .config import checked_cache_dir, human_bytes, parse_size
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
-from .reader import Dataset, manifest_copies_dir, sample_dict
+from .reader import Dataset, manifest_copies_dir, sample_dicts, sample_from
 from .bufpool import BufferPool
 from .keptmaps import keep_budget
 from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
@@ -386,8 +386,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 held = source.get(shard, positions[i:], runs.buf)
                 view, base = held.view, held.base
                 stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
-                for p in todo[i:stop]:
-                    sample = decoder(sample_dict(view, base, rows, p, first + p, path))
+                keys, names, offs, sizes = rows.spans(positions[i:stop])
+                for k, p in enumerate(todo[i:stop]):
+                    sample = decoder(sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k]))
                     n += 1
                     if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
                         if isinstance(sample, dict):  # raw fields: copies, not views of what we unpin
@@ -562,13 +563,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """The sample dicts of a batch's ``pieces``, their fields views of the held shards."""
         first_sample = self.ds.first_samples
         infos = self.ds.shard_list
-        samples = []
+        samples: list[dict[str, Any]] = []
         for i, (shard, p) in enumerate(pieces):
             rows = source.rows(shard)
             held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
-            for k in p.tolist():
-                samples.append(sample_dict(held.view, held.base, rows, k, int(first_sample[shard]) + k,
-                                           infos[shard].path))
+            samples += sample_dicts(held.view, held.base, rows, p, int(first_sample[shard]), infos[shard].path)
         return samples
 
     # ---- statistics -----------------------------------------------------------------------

@@ -118,6 +118,26 @@ class ShardRows:
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         return [names[c] for c in codes[lo:hi].tolist()], offs[lo:hi], sizes[lo:hi]
 
+    def spans(self, positions: np.ndarray) -> tuple[list[str], list[Sequence[str]], list[list[int]], list[list[int]]]:
+        """Keys, field names, member offsets and sizes of the samples at ``positions``, as
+        Python lists made in one go: a reader going through a shard's samples pays a few
+        numpy calls per run of samples, not per sample."""
+        keys = self.keys
+        idx = positions.tolist()
+        layout = self.layout
+        if layout is not None:
+            return ([keys[p] for p in idx], [layout.names] * len(idx), layout.offs[positions].tolist(),
+                    layout.sizes[positions].tolist())
+        names: list[Sequence[str]] = []
+        offs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for p in idx:
+            n, o, s = self.fields(p)
+            names.append(n)
+            offs.append(o.tolist())
+            sizes.append(s.tolist())
+        return [keys[p] for p in idx], names, offs, sizes
+
     @functools.cached_property
     def layout(self) -> FieldLayout | None:
         """The shard's :class:`FieldLayout`, or None when its samples' fields differ."""
@@ -376,8 +396,8 @@ class Dataset:
             except IntegrityError:
                 verify_samples(view, 0, rows, np.arange(len(rows)), info.path)  # name the bad sample, if one is
                 raise
-            for i in range(len(rows)):
-                yield decoder(sample_dict(view, 0, rows, i, info.first_sample + i, info.path))
+            for sample in sample_dicts(view, 0, rows, np.arange(len(rows)), info.first_sample, info.path):
+                yield decoder(sample)
 
     def verify(self, deep: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
         """Check every shard is present with the manifest's size (``deep``: and checksums).
@@ -476,12 +496,26 @@ def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.n
 
 def sample_dict(view: memoryview, base: int, rows: ShardRows, i: int, index: int, shard_path: str) -> dict[str, Any]:
     """Slice sample ``i`` of a shard out of ``view`` (which starts at shard byte ``base``; its
-    bytes already verified)."""
-    sample: dict[str, Any] = {"__key__": rows.keys[i], "__index__": index, "__shard__": shard_path}
+    bytes already verified). Readers going through many samples use :func:`sample_dicts`."""
     names, offs, sizes = rows.fields(i)
-    for j, name in enumerate(names):
-        start = int(offs[j]) - base
-        sample[name] = view[start:start + int(sizes[j])]
+    return sample_from(view, base, rows.key(i), index, shard_path, names, offs.tolist(), sizes.tolist())
+
+
+def sample_dicts(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, first: int,
+                 shard_path: str) -> Iterator[dict[str, Any]]:
+    """:func:`sample_dict` of each of ``positions`` (global index ``first`` + position). The
+    spans are worked out before the first sample; ``view`` is only sliced per sample."""
+    keys, names, offs, sizes = rows.spans(positions)
+    for k, p in enumerate(positions.tolist()):
+        yield sample_from(view, base, keys[k], first + p, shard_path, names[k], offs[k], sizes[k])
+
+
+def sample_from(view: memoryview, base: int, key: str, index: int, shard_path: str, names: Sequence[str],
+                offs: list[int], sizes: list[int]) -> dict[str, Any]:
+    """A sample dict of views into ``view`` (shard byte ``base`` on) from its spans."""
+    sample: dict[str, Any] = {"__key__": key, "__index__": index, "__shard__": shard_path}
+    for name, start, size in zip(names, offs, sizes):
+        sample[name] = view[start - base:start - base + size]
     return sample
 
 
