@@ -136,8 +136,6 @@ class ShardSource:
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
         self.wait_seconds = 0.0
-        # Per process and dataset, not per source: persistent workers open a new source
-        # every epoch, and the manifest rows of a shard never change.
         self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
         self._pool: ThreadPoolExecutor | None = None
@@ -161,6 +159,8 @@ class ShardSource:
     # ---- manifest rows --------------------------------------------------------------------
 
     def rows(self, shard: int) -> ShardRows:
+        # Kept per process and dataset, not per source: persistent workers open a new source
+        # every epoch, and the manifest rows of a shard never change.
         return self.ds.cached_rows(shard)
 
     def layout(self, shard: int) -> FieldLayout | None:
