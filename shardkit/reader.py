@@ -107,9 +107,10 @@ class ShardRows:
         """(bounds, distinct names, name codes, offsets, sizes): sample i's fields are entries
         bounds[i]:bounds[i + 1] of the flat arrays, its names ``names[codes[...]]``."""
         fields = self.table.column("fields").combine_chunks()
-        flat = fields.flatten()
+        flat = fields.flatten()  # from the first sample's first field on, whatever the offsets say
+        bounds = fields.offsets.to_numpy()
         names = flat.field("name").dictionary_encode()
-        return (fields.offsets.to_numpy(), tuple(names.dictionary.to_pylist()), names.indices.to_numpy(),
+        return (bounds - bounds[0], tuple(names.dictionary.to_pylist()), names.indices.to_numpy(),
                 flat.field("offset").to_numpy(), flat.field("size").to_numpy())
 
     def fields(self, i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -144,19 +145,15 @@ class ShardRows:
         n = len(self)
         if n == 0:
             return None
-        fields = self.table.column("fields").combine_chunks()
-        bounds = fields.offsets.to_numpy()
-        nf = int(bounds[1] - bounds[0])
+        bounds, names, codes, offs, sizes = self._fields  # the flat arrays, reshaped (no copy)
+        nf = int(bounds[1])
         if nf == 0 or not bool(np.all(np.diff(bounds) == nf)):
             return None
-        flat = fields.flatten()
-        names = tuple(flat.field("name").slice(int(bounds[0]), nf).to_pylist())
-        all_names = np.asarray(flat.field("name").to_numpy(zero_copy_only=False), dtype=object).reshape(n, nf)
-        if not bool(np.all(all_names == np.asarray(names, dtype=object)[None, :])):
+        grid = codes.reshape(n, nf)
+        if not bool(np.all(grid == grid[0])):
             return None
-        offs = flat.field("offset").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
-        sizes = flat.field("size").to_numpy()[bounds[0]:bounds[-1]].reshape(n, nf)
-        return FieldLayout(names, np.ascontiguousarray(offs), np.ascontiguousarray(sizes), self.keys)
+        return FieldLayout(tuple(names[c] for c in grid[0].tolist()), offs.reshape(n, nf), sizes.reshape(n, nf),
+                           self.keys)
 
     @property
     def nbytes(self) -> int:
@@ -167,10 +164,7 @@ class ShardRows:
             held += n * (8 + 49) + self._key_column.nbytes
         if "_fields" in self.__dict__:
             held += sum(a.nbytes for a in self._fields if isinstance(a, np.ndarray))
-        layout = self.__dict__.get("layout")
-        if layout is not None:
-            held += layout.offs.nbytes + layout.sizes.nbytes
-        return held
+        return held  # a layout is views of the flat field arrays
 
 
 class Dataset:
