@@ -349,8 +349,7 @@ def _refuse_foreign_manifest(store: Store) -> None:
     """DatasetExistsError when manifest/ holds anything while no dataset is committed: index
     writes its manifest there and must not delete or mix with files it did not write (a
     user's notes, or what an index killed midway left: --overwrite replaces those)."""
-    store.fs.invalidate_cache(store.path("manifest"))
-    found = store.glob("manifest/*")
+    found = store.listing("manifest")
     if found:
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
         raise DatasetExistsError(f"{store.url} holds no dataset but its manifest/ is not empty "

@@ -268,7 +268,7 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
             store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
             for prefix in ("shards", "manifest"):
                 store.remove(prefix, recursive=True)
-            for rel in _listing(store, "_pack"):
+            for rel in store.listing("_pack"):
                 if rel != CLAIM and not rel.startswith("_pack/takeover-"):  # the takeover records guard the claim
                     store.remove(rel, recursive=True)
             _abort_uploads(store)
@@ -297,7 +297,7 @@ def _refuse_foreign(store: Store, claim: Claim) -> None:
     """Refuse (and drop the claim) when shards/ or manifest/ hold objects although neither a
     dataset nor an unfinished pack's claim is here: shardkit did not write them (someone's own
     WebDataset, notes), and the commit's sweep of strays would delete them."""
-    found = _listing(store, "shards") + _listing(store, "manifest")
+    found = store.listing("shards") + store.listing("manifest")
     if not found:
         return
     claim.drop()
@@ -307,24 +307,13 @@ def _refuse_foreign(store: Store, claim: Claim) -> None:
                              "--overwrite (overwrite=True) to delete them and pack there")
 
 
-def _listing(store: Store, folder: str) -> list[str]:
-    """What is under ``folder`` now. s3fs keeps listings (shared by every Store of the same
-    options in this process) and answers later size and existence queries from them: drop the
-    listing again, or a reader here would see sizes from before the objects changed."""
-    store.fs.invalidate_cache(store.path(folder))
-    try:
-        return store.glob(f"{folder}/*")
-    finally:
-        store.fs.invalidate_cache(store.path(folder))
-
-
 def _sweep_strays(store: Store, results: list[TaskResult]) -> None:
     """Remove objects under shards/ and manifest/ that are not this pack's: a committed dataset
     holds only its own shards (outside readers take every tar under shards/). They are what an
     earlier, unfinished shardkit pack wrote: a pack that found objects there without such a
     pack's claim refused to start (:func:`_refuse_foreign`), unless told to overwrite."""
     ours = {r.path for res in results for r in res.shards} | {res.fragment for res in results}
-    for rel in _listing(store, "shards") + _listing(store, "manifest"):
+    for rel in store.listing("shards") + store.listing("manifest"):
         if rel not in ours and rel != SHARDS_PARQUET:
             log.info("removing %s, which is not part of this pack", store.url_of(rel))
             store.remove(rel, recursive=True)

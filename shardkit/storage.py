@@ -531,6 +531,17 @@ class Store:
                 pass
         self.call(rm, rel)
 
+    def listing(self, folder: str) -> list[str]:
+        """What is under ``folder`` now (relative paths, sorted). s3fs keeps listings (shared
+        by every Store of the same options in this process) and answers later size and
+        existence queries from them: the listing is dropped before and after, or a reader here
+        would see objects and sizes from before they changed."""
+        self.fs.invalidate_cache(self.path(folder))
+        try:
+            return self.glob(f"{folder}/*")
+        finally:
+            self.fs.invalidate_cache(self.path(folder))
+
     def glob(self, pattern: str) -> list[str]:
         """Relative paths under the root matching ``pattern``, sorted."""
         prefix = self.root.rstrip("/") + "/"
