@@ -27,6 +27,7 @@ from .manifest import (
     dataset_info,
     fragment_name,
     parquet_file,
+    read_info,
     shards_table,
     write_fragment,
     write_shards_table,
@@ -230,8 +231,24 @@ def _refuse_nested(source: Any, store: Store) -> None:
                           "--overwrite delete) the input; choose a destination outside the source")
 
 
-def _refuse_committed(store: Store) -> None:
-    raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
+def _refuse_committed(store: Store, overwrite: bool) -> None:
+    """Refuse a committed dataset at DEST unless ``overwrite``; refuse an index of existing tars
+    always: its tars are the user's own (``shardkit index`` wrote only the manifest beside
+    them), and a pack there would delete those under shards/ and mix its own with the rest."""
+    if not store.exists(DATASET_JSON):
+        return
+    try:
+        made_by = (read_info(store).get("source") or {}).get("type")
+    except ShardkitError:  # an unreadable dataset.json is no index to protect: --overwrite replaces it
+        made_by = None
+    if made_by == "index":
+        raise DatasetExistsError(
+            f"{store.url} is an index of existing WebDataset tars (shardkit index), not a packed dataset: a pack "
+            "there would delete or mix with those tars, which shardkit did not write (--overwrite too); pack to "
+            f"another prefix (to drop only the index, delete {store.url_of(DATASET_JSON)} and "
+            f"{store.url_of('manifest')}/)")
+    if not overwrite:
+        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
 
 
 def _say_replaced(exc: BaseException, store: Store) -> None:
@@ -258,9 +275,12 @@ def _prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable:
     Returns whether a committed dataset was removed (``overwrite``).
     """
     committed = store.exists(DATASET_JSON)
-    if committed and not overwrite:
-        claim.drop()
-        _refuse_committed(store)
+    if committed:
+        try:
+            _refuse_committed(store, overwrite)
+        except DatasetExistsError:
+            claim.drop()
+            raise
     if claim.fresh and not committed and not overwrite:
         _refuse_foreign(store, claim)
     if committed or (overwrite and not claim.resumed) or not resumable:
@@ -370,8 +390,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     settings = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
                      options=settings)
-    if not overwrite and store.exists(DATASET_JSON):
-        _refuse_committed(store)  # before claiming: nothing written (checked again once claimed)
+    _refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
     claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
                                         "task_bytes": opts.task_bytes})
     claim.take(overwrite)
@@ -442,8 +461,7 @@ def _run_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show:
 def _pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOptions, overwrite: bool,
                    show: bool) -> dict[str, Any]:
     started = time.monotonic()
-    if not overwrite and store.exists(DATASET_JSON):
-        _refuse_committed(store)
+    _refuse_committed(store, overwrite)
     claim = Claim(store, ITERABLE_PLAN, {"source": {"type": "iterable"}, "shard_bytes": opts.shard_bytes,
                                          "shard_samples": opts.shard_samples, "transform": opts.transform_desc})
     claim.take(overwrite)

@@ -701,3 +701,35 @@ def test_overwrite_that_fails_later_says_the_old_dataset_was_removed(tmp_path):
     shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, progress=False)
     with pytest.raises(shardkit.errors.ShardkitError, match=f"the old dataset at {dest} was removed"):
         shardkit.pack(items, dest, overwrite=True, progress=False)
+
+
+def test_pack_never_replaces_an_index_of_the_users_own_tars(tmp_path):
+    """``shardkit index`` wrote only a manifest beside someone's tars: a pack there, even with
+    --overwrite, would delete the tars under shards/ (their only copy) and is refused."""
+    import io
+    import tarfile
+
+    from shardkit.cli import main as cli_main
+
+    indexed = tmp_path / "collection"
+    (indexed / "shards").mkdir(parents=True)
+    tar_path = indexed / "shards" / "my-only-copy-000.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(3):
+            body = f"sample {i}".encode()
+            member = tarfile.TarInfo(f"{i:04d}.txt")
+            member.size = len(body)
+            tf.addfile(member, io.BytesIO(body))
+    original = tar_path.read_bytes()
+    info = shardkit.index_tars(str(indexed), progress=False)
+    src = _small_folder(tmp_path / "src")
+    for overwrite in (False, True):
+        with pytest.raises(DatasetExistsError, match="is an index of existing WebDataset tars") as err:
+            shardkit.pack(str(src), str(indexed), overwrite=overwrite, progress=False)
+        assert "\n" not in str(err.value)
+        with pytest.raises(DatasetExistsError, match="is an index of existing WebDataset tars"):
+            shardkit.pack([{"__key__": "a", "txt": "x"}], str(indexed), overwrite=overwrite, progress=False)
+    assert cli_main(["pack", str(src), str(indexed), "--overwrite", "--quiet"]) == 1
+    assert tar_path.read_bytes() == original
+    assert sorted(p.name for p in (indexed / "shards").iterdir()) == ["my-only-copy-000.tar"]
+    _intact(str(indexed), info)
