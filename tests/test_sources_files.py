@@ -31,7 +31,7 @@ def test_csv_metadata_is_carried_as_given(tmp_path: Path) -> None:
     lst.write_text("path,zip,sample_id,label,score,flag,version,note\n"
                    f"{paths[0]},00123,0001,3,0.5,true,1.10,NA\n"
                    f"{paths[1]},007,0002,4,2,false,1.2,\n"
-                   f"{paths[2]},10,0003,,NA,,2.0,x\n")
+                   f"{paths[2]},10,0003,5,NA,,2.0,x\n")
     shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
     ds = shardkit.open_dataset(str(tmp_path / "ds"))
     schema = ds.samples.schema
@@ -42,7 +42,7 @@ def test_csv_metadata_is_carried_as_given(tmp_path: Path) -> None:
     rows = _rows(str(tmp_path / "ds"))
     assert [r["zip"] for r in rows] == ["00123", "007", "10"]
     assert [r["sample_id"] for r in rows] == ["0001", "0002", "0003"]
-    assert [r["label"] for r in rows] == [3, 4, None]
+    assert [r["label"] for r in rows] == [3, 4, 5]
     assert [r["score"] for r in rows] == [0.5, 2.0, None]
     assert [r["flag"] for r in rows] == [True, False, None]
     assert [r["version"] for r in rows] == ["1.10", "1.2", "2.0"]
@@ -125,7 +125,7 @@ def test_large_streamed_image_is_checked_from_its_header(tmp_path: Path, monkeyp
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_text_labels_become_classes(tmp_path: Path, fmt: str) -> None:
     paths = _files(tmp_path / "files", 4)
-    labels = ["dog", "cat", "", "dog"]
+    labels = ["dog", "cat", "NA", "dog"]  # "NA" in a text column is a class name, as written
     if fmt == "csv":
         lst = tmp_path / "list.csv"
         lst.write_text("path,label\n" + "".join(f"{p},{lab}\n" for p, lab in zip(paths, labels)))
@@ -133,17 +133,50 @@ def test_text_labels_become_classes(tmp_path: Path, fmt: str) -> None:
         lst = tmp_path / "list.parquet"
         pq.write_table(pa.table({"path": [str(tmp_path / p) for p in paths], "label": labels}), lst)
     info = shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
-    assert info["labels"] == {"cat": 0, "dog": 1}  # sorted names, as --labels-from-dirs numbers folders
+    assert info["labels"] == {"NA": 0, "cat": 1, "dog": 2}  # sorted names, as --labels-from-dirs numbers folders
     ds = shardkit.open_dataset(str(tmp_path / "ds"))
-    assert ds.labels == {"cat": 0, "dog": 1} and "cls" in ds.fields
+    assert ds.labels == info["labels"] and "cls" in ds.fields
     got = {s["__key__"]: s.get("cls") for s in shardkit.StreamingDataset(str(tmp_path / "ds"), decode="pil")}
     rows = {r["key"]: r for r in ds.samples.to_pylist()}
-    assert sorted((rows[k]["label"], c) for k, c in got.items()) == [("", None), ("cat", 0), ("dog", 1), ("dog", 1)]
+    assert sorted((rows[k]["label"], c) for k, c in got.items()) == [("NA", 0), ("cat", 1), ("dog", 2), ("dog", 2)]
     # Numeric labels: the cls field as before, and no labels map.
     num = tmp_path / "num.csv"
     num.write_text("path,label\n" + "".join(f"{p},{i % 2}\n" for i, p in enumerate(paths)))
     info = shardkit.pack(str(num), str(tmp_path / "ds2"), progress=False)
     assert not info["labels"] and "cls" in info["fields"]
+
+
+def test_float_labels_give_integer_classes(tmp_path: Path) -> None:
+    # pandas writes integer labels as float64 once one is missing; they are class indices all the same.
+    paths = _files(tmp_path / "files", 3)
+    lst = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"path": paths, "label": pa.array([0.0, 2.0, 1.0])}), lst)
+    info = shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
+    assert info["fields"] == ["bin", "cls"] and not info["labels"]
+    got = {s["__key__"]: s["cls"] for s in shardkit.StreamingDataset(str(tmp_path / "ds"), decode="pil")}
+    assert sorted(got.values()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_missing_or_fractional_labels_are_bad_input(tmp_path: Path, fmt: str) -> None:
+    paths = _files(tmp_path / "files", 4)
+    if fmt == "csv":
+        lst = tmp_path / "list.csv"
+        lst.write_text("path,label\n" + "".join(f"{p},{lab}\n" for p, lab in zip(paths, ["0", "", "2.5", "1"])))
+    else:
+        lst = tmp_path / "list.parquet"
+        pq.write_table(pa.table({"path": paths, "label": pa.array([0.0, None, 2.5, 1.0])}), lst)
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(lst), str(tmp_path / "raise"), progress=False)
+    assert str(err.value) == f"file list {lst}: row 1: the label is missing (every row of a list with a 'label' column needs one)"
+    info = shardkit.pack(str(lst), str(tmp_path / "skip"), on_error="skip", progress=False)
+    assert info["num_samples"] == 2 and info["fields"] == ["bin", "cls"]
+    assert [s["ref"] for s in info["skipped"]] == [f"{lst}: row 1", f"{lst}: row 2"]
+    assert info["skipped"][1]["reason"] == (f"file list {lst}: row 2: label 2.5 is neither a class index (a whole "
+                                            "number) nor a class name")
+    # Every packed sample has its cls: batches hold one type, never a mix with None.
+    batches = list(shardkit.StreamingDataset(str(tmp_path / "skip"), batch_size=2, decode="numpy"))
+    assert len(batches) == 1 and sorted(batches[0]["cls"].tolist()) == [0, 1]
 
 
 def test_listing_a_big_folder_keeps_memory_per_file_small(tmp_path: Path) -> None:

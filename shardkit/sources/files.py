@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -329,6 +330,12 @@ class FileListSource:
                 self.listing.bad(f"{self.list_path}: row {i}",
                                  f"file list {self.list_path}: row {i} has an empty {self.path_column!r}")
                 continue
+            if "label" in row:
+                try:
+                    label_class(row["label"], f"file list {self.list_path}: row {i}")
+                except SourceError as exc:
+                    self.listing.bad(f"{self.list_path}: row {i}", str(exc))
+                    continue
             path = Path(rel) if os.path.isabs(rel) else base / rel
             try:
                 size = path.stat().st_size
@@ -351,11 +358,10 @@ class FileListSource:
         meta["source"] = row[self.path_column]
         fields: dict[str, FieldValue] = {ext: read_field(path)}
         check_image(path, ext, fields[ext])
-        label = meta.get("label")
-        if isinstance(label, int) and not isinstance(label, bool):
-            fields["cls"] = str(label).encode()
-        elif isinstance(label, str) and label:
-            fields["cls"] = str(self._classes()[label]).encode()  # the column keeps the name
+        if "label" in row:
+            cls = label_class(row["label"], f"file list {self.list_path}: row {index}")
+            # A class name is numbered; the column keeps the name (and an integral float as written).
+            fields["cls"] = str(self._classes()[cls] if isinstance(cls, str) else cls).encode()
         return PackSample(item.key, fields, meta)
 
     def _classes(self) -> dict[str, int]:
@@ -387,6 +393,22 @@ class FileListSource:
 
     def labels(self) -> dict[str, int] | None:
         return self._classes() or None
+
+
+def label_class(label: Any, where: str) -> int | str:
+    """The class a file list's ``label`` value names: an index, or a class name to number.
+
+    Integral floats are indices: pandas writes integer labels with one missing value as
+    float64. A missing label (null, NaN, empty) or any other value is a SourceError naming
+    ``where``: a sample without ``cls`` among samples with it breaks batching downstream.
+    """
+    if label is None or label == "" or (isinstance(label, float) and math.isnan(label)):
+        raise SourceError(f"{where}: the label is missing (every row of a list with a 'label' column needs one)")
+    if isinstance(label, float) and label.is_integer():
+        return int(label)
+    if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
+        return label
+    raise SourceError(f"{where}: label {label!r} is neither a class index (a whole number) nor a class name")
 
 
 # pyarrow's default CSV null spellings: in a numeric or boolean column they are missing values.
