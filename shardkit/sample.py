@@ -44,6 +44,10 @@ class PackSample:
         return sum(v.size if isinstance(v, StreamedField) else len(v) for v in self.fields.values())
 
 
+# The manifest's own sample columns (manifest.SAMPLE_COLUMNS, which a test keeps equal to
+# this): user metadata may not take their names. Sources check at listing, before any write.
+MANIFEST_COLUMNS = frozenset({"key", "shard", "offset", "size", "fields", "checksum"})
+
 MAX_KEY = 160
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
 _FIELD_OK = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")

@@ -179,6 +179,33 @@ def test_missing_or_fractional_labels_are_bad_input(tmp_path: Path, fmt: str) ->
     assert len(batches) == 1 and sorted(batches[0]["cls"].tolist()) == [0, 1]
 
 
+@pytest.mark.parametrize("column", ["source", "size", "checksum", "shard", "offset", "fields"])
+def test_file_list_columns_with_reserved_names_are_refused(tmp_path: Path, column: str) -> None:
+    # `source` holds each sample's path and the rest are the manifest's own columns: a user
+    # column of that name was overwritten (source) or refused only after every shard was written.
+    paths = _files(tmp_path / "files", 2)
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"path,{column},label\n{paths[0]},camera-A,0\n{paths[1]},camera-B,1\n")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(lst), str(tmp_path / "ds"), progress=False)
+    assert str(err.value).startswith(f"file list {lst}: column {column!r} is reserved (")
+    assert str(err.value).endswith("); rename the column")
+    assert not (tmp_path / "ds" / "shards").exists()
+
+
+def test_reserved_names_are_the_manifest_columns() -> None:
+    from shardkit.manifest import SAMPLE_COLUMNS
+    from shardkit.sample import MANIFEST_COLUMNS
+
+    assert MANIFEST_COLUMNS == set(SAMPLE_COLUMNS.names)
+
+
+def test_iterable_meta_with_a_manifest_column_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"sample '0001' \(item 0\): __meta__ name 'size' is reserved"):
+        shardkit.pack([{"__key__": "0001", "txt": "a", "__meta__": {"size": 3}}], str(tmp_path / "ds"), progress=False)
+    assert not (tmp_path / "ds" / "shards").exists() or not any((tmp_path / "ds" / "shards").iterdir())
+
+
 def test_listing_a_big_folder_keeps_memory_per_file_small(tmp_path: Path) -> None:
     # 20 M files must list on a driver with a few GB: measured ~700 B a file at the peak when
     # the listing kept per-file group objects, ~400 B since.

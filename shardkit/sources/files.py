@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from ..codecs import IMAGE_EXTS
 from ..errors import SourceError, SourceNotFoundError
-from ..sample import FieldValue, PackSample, StreamedField, safe_key
+from ..sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, safe_key
 from .base import ListingSkips, SourceItem
 
 log = logging.getLogger(__name__)
@@ -312,6 +312,15 @@ class FileListSource:
             raise SourceError(f"file list {p} has no {self.path_column!r} column (columns: {table.column_names})")
         if table.num_rows == 0:
             raise SourceError(f"file list {p} is empty")
+        for name in table.column_names:
+            if name in (self.path_column, "key"):
+                continue  # the path and the key are not metadata: they make the sample
+            if name == "source":  # kept for every source: the input each sample came from
+                raise SourceError(f"file list {p}: column 'source' is reserved (shardkit records each sample's "
+                                  "path there); rename the column")
+            if name in MANIFEST_COLUMNS:
+                raise SourceError(f"file list {p}: column {name!r} is reserved (the manifest has its own "
+                                  f"{name!r} column); rename the column")
         if p.suffix.lower() not in (".parquet", ".pq"):
             for i, name in enumerate(table.column_names):
                 if name not in (self.path_column, "key"):

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..errors import SourceError
-from ..sample import FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, safe_key
+from ..sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, safe_key
 
 
 def encode_value(key: str, field: str, value: Any) -> FieldValue:
@@ -49,6 +49,10 @@ def samples_from_iterable(items: Iterable[dict[str, Any]]) -> Iterator[PackSampl
             raise SourceError(f"duplicate key {key!r} in the iterable (item {i})")
         seen.add(key)
         meta = dict(item.get("__meta__") or {})
+        reserved = sorted(MANIFEST_COLUMNS.intersection(meta))
+        if reserved:  # refused now: the manifest would refuse it only after the shards were written
+            raise SourceError(f"sample {key!r} (item {i}): __meta__ name {reserved[0]!r} is reserved (the manifest "
+                              f"has its own {reserved[0]!r} column); rename it")
         if key != raw:
             # The manifest needs valid UTF-8: undecodable bytes (or their surrogate escapes) -> U+FFFD.
             raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "surrogateescape")
