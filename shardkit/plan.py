@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import xxhash
 
 from .sources.base import SourceItem
+from .tarfmt import END_OF_ARCHIVE
 
 TARGET_TASKS = 64
 
@@ -56,13 +57,18 @@ class PackPlan:
 
 
 def plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | None) -> list[ShardSpan]:
-    """Greedy, in order: a shard closes before an item that would overflow it."""
+    """Greedy, in order: a shard closes before an item that would overflow it.
+
+    Items' ``nbytes`` count their tar framing; the shard's end-of-archive blocks are kept free
+    too, so a shard of two or more samples never exceeds ``shard_bytes``.
+    """
+    budget = shard_bytes - len(END_OF_ARCHIVE)
     spans: list[ShardSpan] = []
     start = 0
     size = 0
     for i, item in enumerate(items):
         count = i - start
-        if count and (size + item.nbytes > shard_bytes or (shard_samples is not None and count >= shard_samples)):
+        if count and (size + item.nbytes > budget or (shard_samples is not None and count >= shard_samples)):
             spans.append(ShardSpan(len(spans), start, i))
             start, size = i, 0
         size += item.nbytes

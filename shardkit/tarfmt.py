@@ -58,6 +58,16 @@ def member_header(name: str, size: int) -> bytes:
     return _tarfile_header(name, size)
 
 
+def member_bytes(name: str, size: int) -> int:
+    """Bytes one member takes in a shard: its header block(s) (as :func:`member_header` writes
+    them), its ``size``-byte body and the padding after it."""
+    if 0 <= size < _MAX_USTAR_SIZE and len(name) <= _NAME_FIELD and name.isascii():
+        header = BLOCK
+    else:  # a pax header too: rare, so built to be measured
+        header = len(_tarfile_header(name, size))
+    return header + size + padding(size)
+
+
 @dataclass(frozen=True)
 class FieldSpan:
     """Where one member's body lives, relative to the start of the shard."""

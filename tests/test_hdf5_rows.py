@@ -178,3 +178,16 @@ def test_bad_rows_input_still_raises_on_load(tmp_path):
     with pytest.raises(SourceError, match=r"rows\.h5::/a: row 4 out of range \(3 rows\)"):
         src.load(items[4])
     src.close()
+
+
+def test_shards_of_small_rows_stay_within_shard_bytes(tmp_path):
+    # An int64 row is a 136-byte .npy body but 1,024 bytes in the tar: counted by bodies,
+    # shards of such rows came out 7.5x the target.
+    path = tmp_path / "rows.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(3000, dtype=np.int64)
+        f["x"] = np.zeros((3000, 3), np.float32)
+    info = shardkit.pack(str(path), str(tmp_path / "ds"), hdf5_rows="label,x", shard_bytes="200KB", progress=False)
+    sizes = shardkit.open_dataset(str(tmp_path / "ds")).shards.column("bytes").to_pylist()
+    assert info["num_samples"] == 3000 and max(sizes) <= 200_000, sizes
+    assert min(sizes[:-1]) > 200_000 - 2048, sizes  # filled, not closed early

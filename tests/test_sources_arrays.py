@@ -17,6 +17,7 @@ from shardkit.sample import PackSample, StreamedField  # noqa: E402
 from shardkit.sources import npy as npymod  # noqa: E402
 from shardkit.sources.hdf5 import Hdf5Source  # noqa: E402
 from shardkit.sources.npy import CHUNK_BYTES, NpySource, npy_header  # noqa: E402
+from shardkit.writer import tar_size  # noqa: E402
 
 
 def saved(arr: np.ndarray) -> bytes:
@@ -141,7 +142,7 @@ def test_hdf5_datasets_mode_roundtrip(h5file):
             data = bodies(sample)["npy"]
             expected = saved(f[name][()])
             assert data == expected, name
-            assert it.nbytes == len(expected)
+            assert it.nbytes == tar_size(sample)  # what the sample takes in a shard, headers included
             assert sample.key == it.key
             assert sample.meta["source"] == f"{h5file}::{name}"
             loaded = np.load(io.BytesIO(data))
@@ -209,7 +210,7 @@ def test_hdf5_rows_mode(tmp_path):
         assert set(got) == {"image.npy", "label.npy"}
         assert got["image.npy"] == saved(images[i])
         assert got["label.npy"] == saved(labels[i])
-        assert it.nbytes == len(got["image.npy"]) + len(got["label.npy"])
+        assert it.nbytes == tar_size(s)
         assert s.meta["source"] == f"{path}::{i}"
 
 
@@ -328,7 +329,9 @@ def test_npy_source_dir(npy_dir):
     assert z["x.npy"] == saved(np.arange(1000.0))
     keys = [it.key for it in items]
     assert keys[0] == "a" and len(set(keys)) == len(keys)
-    assert items[0].nbytes == (npy_dir / "a.npy").stat().st_size
+    size = (npy_dir / "a.npy").stat().st_size
+    assert items[0].nbytes == 512 + size + -size % 512  # its tar header, body and padding
+    assert [it.nbytes for it in items] == [tar_size(src.load(it)) for it in items]
 
 
 def test_npy_source_file_list_and_streaming(tmp_path):
@@ -420,9 +423,10 @@ def test_hdf5_200mb_dataset_memory_bounded(tmp_path):
             expected.update(slab.tobytes())
     src = Hdf5Source(path)
     (item,) = src.list_items()
-    assert item.nbytes == rows * cols * 4 + len(npy_header(np.dtype("<f4"), (rows, cols)))
+    size = rows * cols * 4 + len(npy_header(np.dtype("<f4"), (rows, cols)))
+    assert item.nbytes == 512 + size + -size % 512
     field = src.load(item).fields["npy"]
-    assert isinstance(field, StreamedField) and field.size == item.nbytes
+    assert isinstance(field, StreamedField) and field.size == size
     got = xxhash.xxh3_64()
     total = biggest = 0
     tracemalloc.start()
@@ -495,3 +499,28 @@ def test_source_path_options_with_an_iterable_are_refused(tmp_path, option):
     with pytest.raises(ConfigError, match=f"{next(iter(option))}: applies to a source path"):
         shardkit.pack(iter([{"__key__": "a", "bin": b"x"}]), str(tmp_path / "ds"), progress=False, **option)
     assert not (tmp_path / "ds").exists()
+
+
+def test_shards_of_small_npy_files_stay_within_shard_bytes(tmp_path):
+    # 40 files of 1,128 bytes take 2,048 each in a tar: counted as 1,128, shards grew to 1.7x the target.
+    src = tmp_path / "npys"
+    src.mkdir()
+    for i in range(40):
+        np.save(src / f"{i:03d}.npy", np.zeros(1000, np.uint8))
+    import shardkit
+
+    info = shardkit.pack(str(src), str(tmp_path / "ds"), shard_bytes="10KB", progress=False)
+    sizes = shardkit.open_dataset(str(tmp_path / "ds")).shards.column("bytes").to_pylist()
+    assert info["num_samples"] == 40 and max(sizes) <= 10_000, sizes
+    assert min(sizes[:-1]) > 10_000 - 2048  # and they are filled: no shard closed early
+
+
+def test_member_bytes_counts_pax_headers():
+    import tarfile
+
+    from shardkit.tarfmt import member_bytes, member_header
+
+    for name, size in (("a.npy", 0), ("a.npy", 1), ("a.npy", 512), ("k" * 150 + ".npy", 700), ("café.txt", 3)):
+        assert member_bytes(name, size) == len(member_header(name, size)) + size + -size % 512
+    assert member_bytes("k" * 150 + ".npy", 1) > 1024  # a pax header: the name is over 100 bytes
+    assert tarfile.BLOCKSIZE == 512

@@ -225,3 +225,20 @@ def test_listing_a_big_folder_keeps_memory_per_file_small(tmp_path: Path) -> Non
         tracemalloc.stop()
     assert len(items) == 20_000 and items[0].key.startswith("c00_s000000")
     assert peak / len(items) < 500
+
+
+def test_item_sizes_are_what_the_writer_writes(tmp_path: Path) -> None:
+    # The planner closes shards on these sizes: they must count tar headers and padding.
+    from shardkit.sources.files import FileListSource, FolderSource, ImageFolderSource
+    from shardkit.writer import tar_size
+
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    for i in range(3):
+        (src / "b" / f"ok{i}.JPEG").write_bytes(_jpeg(i))
+        (src / "b" / f"ok{i}.json").write_text("{}" * i * 300)
+    lst = tmp_path / "list.csv"
+    lst.write_text("path,label\n" + "".join(f"src/b/ok{i}.JPEG,{i}\n" for i in range(3)))
+    for source in (FolderSource(src), ImageFolderSource(src), FileListSource(lst)):
+        items = source.list_items()
+        assert [it.nbytes for it in items] == [tar_size(source.load(it)) for it in items], source

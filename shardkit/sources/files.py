@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from ..codecs import IMAGE_EXTS
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, safe_key
-from .base import ListingSkips, SourceItem
+from .base import ListingSkips, SourceItem, item_bytes
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,9 @@ class FolderSource:
                 raise SourceError(f"{self.root}/{first} and {self.root}/{other} are both field {field!r} of sample "
                                   f"{raw!r} (field names are lowercased); rename one")
             # A JSON list of the files: names may hold any character but "/" and NUL.
+            key = safe_key(raw)
             items.append(SourceItem(ref=json.dumps([rel for rel, _ in members]),
-                                    nbytes=sum(s for _, s in members) + 1024 * len(members), key=safe_key(raw)))
+                                    nbytes=item_bytes(key, zip(fields, (s for _, s in members))), key=key))
             start = stop
         del files
         ensure_unique(items, self.root)
@@ -250,11 +251,13 @@ class ImageFolderSource:
             log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
                         "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
         items = []
-        for cls in self.classes():
+        for index, cls in enumerate(self.classes()):
             for rel, size in walk_files(root / cls):
                 if Path(rel).suffix.lower() in IMAGE_SUFFIXES:
                     full = f"{cls}/{rel}"
-                    items.append(SourceItem(ref=full, nbytes=size + 1536, key=safe_key(full)))
+                    key = safe_key(full)
+                    nbytes = item_bytes(key, ((_image_field(full), size), ("cls", len(str(index)))))
+                    items.append(SourceItem(ref=full, nbytes=nbytes, key=key))
         if not items:
             raise SourceError(f"source {root} holds no images")
         ensure_unique(items, self.root)
@@ -263,8 +266,7 @@ class ImageFolderSource:
     def load(self, item: SourceItem) -> PackSample:
         cls = item.ref.split("/", 1)[0]
         label = self.labels()[cls]  # type: ignore[index]
-        ext = os.path.splitext(item.ref)[1].lower().lstrip(".")
-        ext = "jpg" if ext == "jpeg" else ext
+        ext = _image_field(item.ref)
         path = f"{self.root}/{item.ref}"  # a str path: no Path objects per image
         image = read_field(path)
         check_image(path, ext, image)
@@ -276,6 +278,12 @@ class ImageFolderSource:
 
     def labels(self) -> dict[str, int] | None:
         return {c: i for i, c in enumerate(self.classes())}
+
+
+def _image_field(path: str) -> str:
+    """``a/b.JPEG`` -> ``jpg``: the field an image file is packed as."""
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    return "jpg" if ext == "jpeg" else ext
 
 
 class FileListSource:
@@ -352,8 +360,11 @@ class FileListSource:
                 self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {path} does not exist")
                 continue
             key = row.get("key")  # 0 and "00" are keys too: only a missing one falls back to the path
-            raw_key = str(key) if key is not None and key != "" else Path(rel).with_suffix("").as_posix()
-            items.append(SourceItem(ref=f"{i}:{path}", nbytes=size + 1536, key=safe_key(raw_key)))
+            key = safe_key(str(key) if key is not None and key != "" else Path(rel).with_suffix("").as_posix())
+            members = [(_list_field(path), size)]
+            if "label" in row:
+                members.append(("cls", 1))  # any class index fits the one block a 1-byte body takes
+            items.append(SourceItem(ref=f"{i}:{path}", nbytes=item_bytes(key, members), key=key))
         ensure_unique(items, self.list_path)
         return items
 
@@ -361,8 +372,7 @@ class FileListSource:
         index, _, p = item.ref.partition(":")
         path = Path(p)
         row = self._row(int(index))
-        ext = path.suffix.lower().lstrip(".") or "bin"
-        ext = "jpg" if ext == "jpeg" else ext
+        ext = _list_field(path)
         meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
         meta["source"] = row[self.path_column]
         fields: dict[str, FieldValue] = {ext: read_field(path)}
@@ -418,6 +428,12 @@ def label_class(label: Any, where: str) -> int | str:
     if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
         return label
     raise SourceError(f"{where}: label {label!r} is neither a class index (a whole number) nor a class name")
+
+
+def _list_field(path: Path) -> str:
+    """The field a file list's file is packed as: its lowercased extension, ``bin`` if none."""
+    ext = path.suffix.lower().lstrip(".") or "bin"
+    return "jpg" if ext == "jpeg" else ext
 
 
 # pyarrow's default CSV null spellings: in a numeric or boolean column they are missing values.

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
-from .base import SourceItem
+from .base import SourceItem, item_bytes
 from .npy import CHUNK_BYTES, npy_header
 
 PathLike = Union[str, os.PathLike]
@@ -438,12 +438,13 @@ class Hdf5Source:
         for name in sorted(names):
             ref = f"{path}::/{name}"
             dtype, shape = _array_layout(f[name], ref)
-            nbytes = len(npy_header(dtype, shape)) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            items.append(SourceItem(ref=ref, nbytes=nbytes, key=safe_key(f"{stem}/{name}")))
+            size = len(npy_header(dtype, shape)) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            key = safe_key(f"{stem}/{name}")
+            items.append(SourceItem(ref=ref, nbytes=item_bytes(key, [("npy", size)]), key=key))
         return items
 
     def _list_rows(self, f: Any, path: str, stem: str) -> list[SourceItem]:
-        row_bytes = 0
+        members: list[tuple[str, int]] = []
         length: int | None = None
         fields: set[str] = set()
         for name in self.datasets:
@@ -459,7 +460,10 @@ class Hdf5Source:
             if field in fields:
                 raise SourceError(f"{ref}: two datasets would both be field {field!r}")
             fields.add(field)
-            row_bytes += len(npy_header(dtype, shape[1:])) + int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            size = len(npy_header(dtype, shape[1:])) + int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            members.append((field, size))
+        # Measured once: one file's row keys have the same length (below 10**9 rows), so alike headers.
+        row_bytes = item_bytes(safe_key(f"{stem}_{0:09d}"), members)
         return [
             SourceItem(ref=f"{path}::[{i}]", nbytes=row_bytes, key=safe_key(f"{stem}_{i:09d}"))
             for i in range(length or 0)

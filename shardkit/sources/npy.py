@@ -22,7 +22,7 @@ import numpy as np
 from ..chunks import CHUNK_BYTES, iter_exact, read_exact
 from ..errors import SourceError, SourceNotFoundError
 from ..sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
-from .base import SourceItem
+from .base import SourceItem, item_bytes
 
 try:  # numpy >= 2 keeps the implementation private; np.save's exact header writer lives there
     from numpy.lib import _format_impl as _npformat
@@ -194,11 +194,11 @@ class NpySource:
         items: list[SourceItem] = []
         seen: dict[str, str] = {}
         for path, rel in self._files():
-            if path.endswith(".npy"):
-                nbytes = self._check_npy(path, rel)
-            else:
-                nbytes = sum(size for _, _, size in self._npz_members(path, rel))
             key = safe_key(rel.rsplit(".", 1)[0])
+            if path.endswith(".npy"):
+                nbytes = item_bytes(key, [("npy", self._check_npy(path, rel))])
+            else:
+                nbytes = item_bytes(key, ((field, size) for _, field, size in self._npz_members(path, rel)))
             if key in seen:
                 raise SourceError(f"{rel}: key {key!r} collides with {seen[key]}")
             seen[key] = rel
