@@ -482,9 +482,10 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
     from .sources.iterable import samples_from_iterable
 
     fields: set[str] = set()
+    skipped: list[dict[str, str]] | None = [] if opts.on_error == "skip" else None
     with Progress(None, None, 1, "pack", enabled=show) as bar, \
             ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples) as writer:
-        for sample in samples_from_iterable(items):
+        for sample in samples_from_iterable(items, skipped):
             if opts.transform is not None:
                 sample = opts.transform(sample)
             writer.write(sample)
@@ -494,7 +495,7 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
         raise SourceError("source iterable is empty")
     frag = fragment_name(0)
     groups = write_fragment(store, frag, writer.rows, writer.shards)
-    result = TaskResult(0, frag, writer.shards, groups, [], sorted(fields), len(writer.rows),
+    result = TaskResult(0, frag, writer.shards, groups, skipped or [], sorted(fields), len(writer.rows),
                         sum(s.bytes for s in writer.shards))
     return _commit(store, {"type": "iterable"}, None, [result], started, "local", opts, claim)
 

@@ -221,6 +221,27 @@ def test_duplicate_keys_in_iterable(tmp_path: Path) -> None:
         shardkit.open_dataset(str(tmp_path / "out"))
 
 
+def test_iterable_field_names_are_lowercased_as_webdataset_reads_them(tmp_path: Path) -> None:
+    wds = pytest.importorskip("webdataset")
+    info = shardkit.pack([{"__key__": "0001", "JPG": b"x", "Cls": 1}], str(tmp_path / "ds"), progress=False)
+    assert info["fields"] == ["cls", "jpg"]
+    sample = shardkit.ShardDataset(str(tmp_path / "ds"))[0]
+    assert {k: bytes(v) for k, v in sample.items() if not k.startswith("__")} == {"cls": b"1", "jpg": b"x"}
+    got, = list(wds.WebDataset(str(tmp_path / "ds" / "shards" / "shard-000000.tar"), shardshuffle=False))
+    assert sorted(k for k in got if not k.startswith("__")) == ["cls", "jpg"]
+
+
+def test_iterable_bad_samples_are_skipped_and_listed(tmp_path: Path) -> None:
+    items = [{"__key__": "a", "txt": "1"}, {"__key__": "b", "jpg": b"x", "JPG": b"y"}, {"__key__": "c", "txt": object()},
+             "not a dict", {"__key__": "a", "txt": "again"}, {"__key__": "d", "TXT": "4"}]
+    info = shardkit.pack(iter(items), str(tmp_path / "ds"), on_error="skip", progress=False)
+    assert info["num_samples"] == 2 and info["fields"] == ["txt"]
+    assert [(s["ref"], s["key"]) for s in info["skipped"]] == [("item 1", "b"), ("item 2", "c"), ("item 3", ""),
+                                                               ("item 4", "a")]
+    assert "'JPG' and 'jpg' differ only in case" in info["skipped"][0]["reason"]
+    assert sorted(shardkit.open_dataset(str(tmp_path / "ds")).samples.column("key").to_pylist()) == ["a", "d"]
+
+
 # --------------------------------------------------------------------------- destination
 
 
