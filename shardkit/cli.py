@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .config import human_bytes
+from .config import human_bytes, parse_size
 from .errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
 
 
@@ -60,9 +60,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     check_scheme(args.source, "SOURCE")
     check_scheme(args.dest, "DEST")
+    shard_bytes = parse_size(args.shard_size, "--shard-size")  # the error names the option as typed
     transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
                                        predecode=args.predecode)
-    info = pack(args.source, args.dest, shard_bytes=args.shard_size, engine=args.engine,
+    info = pack(args.source, args.dest, shard_bytes=shard_bytes, engine=args.engine,
                 shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
                 overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
                 hdf5_rows=args.hdf5_rows, progress=not (args.json or args.quiet))
@@ -209,6 +210,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Options whose value may look like an option: argparse takes "-5MB" for one and said only
+# "expected one argument"; joined as "--shard-size=-5MB", the value reaches parse_size, which
+# says it must be positive.
+_VALUE_OPTIONS = ("--shard-size",)
+
+
+def _join_dashed_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _VALUE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def _split_bench(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """(shardkit's own args, benchmarks.run's args or None).
 
@@ -243,7 +260,7 @@ def configure_logging(debug: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
-    args = parser.parse_args(own)
+    args = parser.parse_args(_join_dashed_values(own))
     if bench_args is not None:
         args.bench_args = bench_args
     configure_logging(args.debug)

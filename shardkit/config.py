@@ -17,7 +17,8 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
     "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+# A sign is read so that "-5MB" is refused as not positive rather than as no size at all.
+_SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 DEFAULT_SHARD_BYTES = 512 * 10**6
 DEFAULT_TASK_BYTES = 2 * 10**9

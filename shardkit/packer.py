@@ -231,6 +231,21 @@ def _refuse_nested(source: Any, store: Store) -> None:
                           "--overwrite delete) the input; choose a destination outside the source")
 
 
+def _refuse_file_dest(store: Store) -> None:
+    """ConfigError when a local DEST is, or lies under, an existing regular file: the first
+    directory the pack made failed with a bare NotADirectoryError."""
+    dst = _local_path(store.url)
+    if dst is None:
+        return
+    for path in (dst, *dst.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is a file" if path == dst else f"lies under {path}, which is a file"
+                raise ConfigError(f"destination {dst} {where}, not a directory: choose a directory (a new one, "
+                                  "or one holding a dataset)")
+            return
+
+
 def _refuse_committed(store: Store, overwrite: bool) -> None:
     """Refuse a committed dataset at DEST unless ``overwrite``; refuse an index of existing tars
     always: its tars are the user's own (``shardkit index`` wrote only the manifest beside
@@ -369,6 +384,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         raise ConfigError(f"shard_samples: must be >= 1, got {shard_samples}")
     store = Store(dest, storage_options)
     _refuse_nested(source, store)
+    _refuse_file_dest(store)
     desc = transform.describe() if hasattr(transform, "describe") else ({"callable": repr(transform)} if transform else {})
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
     if not isinstance(source, (str, bytes)) and not hasattr(source, "list_items") and hasattr(source, "__iter__") \

@@ -242,6 +242,18 @@ def test_iterable_bad_samples_are_skipped_and_listed(tmp_path: Path) -> None:
     assert sorted(shardkit.open_dataset(str(tmp_path / "ds")).samples.column("key").to_pylist()) == ["a", "d"]
 
 
+def test_iterable_numpy_scalars(tmp_path: Path) -> None:
+    import numpy as np
+
+    info = shardkit.pack([{"__key__": "a", "b": np.bool_(True), "i": np.int16(-3), "f": np.float32(0.5)}],
+                         str(tmp_path / "ds"), progress=False)
+    sample = shardkit.ShardDataset(str(tmp_path / "ds"))[0]
+    assert info["fields"] == ["b", "f", "i"] and [bytes(sample[k]) for k in "bif"] == [b"1", b"-3", b"0.5"]
+    with pytest.raises(SourceError) as err:  # said "unsupported type bool" for np.bool_, which is supported
+        shardkit.pack([{"__key__": "a", "c": np.complex64(1)}], str(tmp_path / "ds2"), progress=False)
+    check_message(err.value, "'a'", "'c'", "unsupported type numpy.complex64")
+
+
 # --------------------------------------------------------------------------- destination
 
 

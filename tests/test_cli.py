@@ -73,6 +73,8 @@ def test_pack_info_verify_json_local(source: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("args", [
     ("pack", "SRC", "DEST", "--bogus"),
     ("pack", "SRC", "DEST", "--shard-size", "12XB"),
+    ("pack", "SRC", "DEST", "--shard-size", "-5MB"),  # argparse took -5MB for an option
+    ("pack", "SRC", "DEST", "--shard-size=-5MB"),
     ("pack", "SRC", "DEST", "--engine", "spark"),
     ("pack", "SRC"),
     ("verify",),
@@ -91,9 +93,24 @@ def test_bad_usage_exits_2(args: tuple[str, ...], source: Path, tmp_path: Path) 
     assert "Traceback" not in r.stderr and r.stdout == ""
     if "12XB" in args:
         assert "12XB" in one_line(r.stderr) and "shard" in r.stderr
+    if any("-5MB" in a for a in args):
+        assert one_line(r.stderr) == "shardkit: error: --shard-size: size must be positive, got '-5MB'"
     if any(a.startswith(("foo:", "simplecache:")) for a in args):
         assert "unknown URL scheme 'foo'" in one_line(r.stderr) and "foo://bar" in r.stderr
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_destination_that_is_a_file_is_bad_usage(under: bool, source: Path, tmp_path: Path) -> None:
+    # A raw "NotADirectoryError: [Errno 20] ..." with exit 1 before.
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    dest = afile / "ds" if under else afile
+    r = cli("pack", str(source), str(dest), "--quiet")
+    assert r.returncode == 2, r.stderr
+    line = one_line(r.stderr)
+    assert line.startswith(f"shardkit: error: destination {dest} ") and "not a directory" in line, line
+    assert "Errno" not in line and afile.read_text() == "mine"
 
 
 @pytest.mark.parametrize("where", ["dest-in-source", "source-in-dest", "same", "via-symlink"])
@@ -262,10 +279,20 @@ def test_verify_names_every_damaged_shard_in_one_run(source: Path, tmp_path: Pat
     assert r.returncode == 1 and ds.shard_list[2].path in one_line(r.stderr) and "2 of" not in r.stderr
 
 
-def test_unexpected_errors_are_one_line_without_a_traceback(source: Path, tmp_path: Path) -> None:
-    (tmp_path / "afile").write_text("x")
-    r = cli("pack", str(source), str(tmp_path / "afile" / "sub"))  # a destination under a file
-    assert r.returncode == 1 and "afile" in one_line(r.stderr)
+def test_unexpected_errors_are_one_line_without_a_traceback(source: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import shardkit.packer
+    from shardkit.cli import main
+
+    def fail(*_: Any, **__: Any) -> None:  # (a destination under a file did this; now it is bad usage)
+        raise NotADirectoryError(20, "Not a directory", "/x/_pack")
+
+    monkeypatch.setattr(shardkit.packer, "pack", fail)
+    assert main(["pack", str(source), str(tmp_path / "ds")]) == 1
+    assert one_line(capsys.readouterr().err) == ("shardkit: error: NotADirectoryError: [Errno 20] Not a directory: "
+                                                 "'/x/_pack' (--debug shows where)")
+    monkeypatch.undo()
     url = str(tmp_path / "ds")
     shardkit.pack(str(source), url, shard_bytes="8KB", progress=False)
     (Path(url) / "manifest" / "shards.parquet").write_bytes(b"garbage")

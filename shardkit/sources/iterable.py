@@ -28,7 +28,7 @@ def encode_value(key: str, field: str, value: Any) -> FieldValue:
         return bytes(value)
     if isinstance(value, str):
         return value.encode("utf-8")
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         return str(int(value)).encode()
     if isinstance(value, (int, float, np.integer, np.floating)):
         return str(value).encode()
@@ -38,7 +38,9 @@ def encode_value(key: str, field: str, value: Any) -> FieldValue:
         return buf.getvalue()
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True).encode()
-    raise SourceError(f"sample {key!r}: field {field!r} has unsupported type {type(value).__name__}")
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise SourceError(f"sample {key!r}: field {field!r} has unsupported type {name}")
 
 
 def samples_from_iterable(items: Iterable[dict[str, Any]],
