@@ -152,6 +152,9 @@ class _OnePass:
 
     def finish(self) -> str:
         """Read the rest of the file (end-of-archive blocks, trailing bytes); the file digest."""
+        # A tar cut right after its last member (no end-of-archive blocks) ends the scan
+        # before that member's data is read: it belongs to the open sample, so read it first.
+        self.seek(max(self.pos, self._route_until))
         self._close_sample()
         self._discard = True
         while self.pos < self.size:

@@ -299,3 +299,32 @@ def test_failed_index_removes_only_what_it_wrote(tmp_path, monkeypatch):
     with pytest.raises(SourceError, match="duplicate sample key 'plain'"):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / "manifest").exists() and not (tmp_path / "dataset.json").exists()
+
+
+@pytest.mark.parametrize("cut", ["no_end_blocks", "no_padding", "mid_data"])
+def test_tar_cut_after_its_last_member(tmp_path, cut):
+    """A tar cut right after its last member (no end-of-archive blocks; some writers stop
+    there) still reads in tarfile and webdataset: the last sample's xxh3-64 must cover its
+    data, not only its header. Cut inside the data, the member is refused as truncated."""
+    import xxhash
+
+    full = _tarfile_bytes([("0000.txt", b"payload 0"), ("0001.txt", b"payload 1" * 100), ("0002.txt", b"payload 2")],
+                          fmt=tarfile.USTAR_FORMAT)
+    last_data = 512 + 512 + 512 + 1024 + 512  # headers and bodies of the first two, then the last header
+    end = {"no_end_blocks": last_data + 512, "no_padding": last_data + 9, "mid_data": last_data + 5}[cut]
+    data = full[:end]
+    _put(str(tmp_path), {"x.tar": data})
+    if cut == "mid_data":
+        with pytest.raises(UnsafeTarError, match=r"x\.tar: member '0002\.txt' size 9 beyond end of file"):
+            index_tars(str(tmp_path), progress=False)
+        return
+    index_tars(str(tmp_path), progress=False)
+    ds = shardkit.open_dataset(str(tmp_path))
+    rows = ds.samples.to_pylist()
+    assert [r["key"] for r in rows] == ["0000", "0001", "0002"]
+    assert rows[-1]["offset"] + rows[-1]["size"] == len(data)  # padding included, up to the end of the file
+    for r in rows:
+        assert r["checksum"] == xxhash.xxh3_64_intdigest(data[r["offset"]:r["offset"] + r["size"]])
+    ds.verify(deep=True)
+    assert bytes(shardkit.ShardDataset(str(tmp_path))[2]["txt"]) == b"payload 2"
+    assert [bytes(s["txt"]) for s in shardkit.StreamingDataset(str(tmp_path))][-1] == b"payload 2"
