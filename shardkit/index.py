@@ -28,7 +28,7 @@ from .manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragm
                        write_fragment, write_shards_table)
 from .progress import Progress
 from .storage import Store, attempts_for, is_transient, pause_before_retry, translate
-from .tarscan import TarMember, group_members, scan_tar, split_name
+from .tarscan import TarMember, scan_tar, wds_split
 from .writer import SampleRows, ShardRecord
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,8 @@ class _OnePass:
                 raise UnsafeTarError(f"{self.store.url_of(self.rel)}: {self._gap_len} bytes of non-member data "
                                      f"after offset {self._gap_start}; refused")
 
-    def member(self, m: TarMember) -> None:
+    def member(self, m: TarMember, key: str) -> None:
         """Attach the member just scanned (its header consumed, data not yet) to a sample."""
-        key, _ = split_name(m.name)
         gap = b"".join(self._gap)
         self._gap.clear()
         self._gap_len = 0
@@ -215,10 +214,25 @@ class _OnePass:
             self._sample_key = None
 
 
-def _observe(members: Iterator[TarMember], reader: _OnePass) -> Iterator[TarMember]:
+def _samples(url: str, members: Iterator[TarMember], reader: _OnePass) -> Iterator[tuple[str, list[TarMember]]]:
+    """Group consecutive members by key as the webdataset library does (``group_by_keys`` over
+    ``base_plus_ext``, the name kept as it is: ``./0001.jpg`` is key ``./0001``), telling the
+    reader which sample each member's bytes belong to; yields ``(key, members)``."""
+    key: str | None = None
+    group: list[TarMember] = []
     for m in members:
-        reader.member(m)
-        yield m
+        split = wds_split(m.name)
+        if split is None or split[0].endswith("/"):  # ".jpg", "dir/.jpg": a sample with no key
+            raise UnsafeTarError(f"{url}: member {m.name!r} has no key (nothing before the first dot "
+                                 "of its name); refused")
+        reader.member(m, split[0])
+        if group and split[0] != key:
+            yield key, group  # type: ignore[misc]  # key is set once group is not empty
+            group = []
+        key = split[0]
+        group.append(m)
+    if group:
+        yield key, group  # type: ignore[misc]
 
 
 def _fields(url: str, members: list[TarMember]) -> list[dict[str, Any]]:
@@ -238,10 +252,7 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
     first = len(rows)
     try:
         scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
-        for key, members in group_members(_observe(scan, reader)):
-            if not key or key.endswith("/"):  # ".jpg", "dir/.jpg": a sample with no key
-                raise UnsafeTarError(f"{url}: member {members[0].name!r} has no key (nothing before the first dot "
-                                     "of its name); refused")
+        for key, members in _samples(url, scan, reader):
             spans = _fields(url, members)
             keys.add(key, shard)
             fields.update(s["name"] for s in spans)

@@ -13,6 +13,7 @@ fifos, sizes beyond the end of the file and truncated headers raise
 
 from __future__ import annotations
 
+import re
 import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable, Iterator
@@ -200,6 +201,22 @@ def split_name(name: str) -> tuple[str, str]:
     prefix, slash, base = name.rpartition("/")
     stem, _, field = base.partition(".")
     return prefix + slash + stem, field
+
+
+# The webdataset library's ``base_plus_ext`` (tariterators.py): the key is everything up to the
+# first dot of the basename, the field the rest.
+_WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def wds_split(name: str) -> tuple[str, str] | None:
+    """The webdataset library's ``(key, field)`` of a member name, the name kept as it is:
+    ``"./a/b.c.jpg"`` -> ``("./a/b", "c.jpg")``; None where it finds no key and field.
+
+    ``shardkit index`` keeps the tars as they are, so its keys must be the ones webdataset
+    yields for them (:func:`split_name`, which drops ``./``, is pack's rule for its own keys).
+    """
+    match = _WDS_NAME.match(name)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def group_members(members: Iterable[TarMember]) -> Iterator[tuple[str, list[TarMember]]]:

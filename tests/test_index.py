@@ -38,16 +38,35 @@ def _wds_bytes(samples: list[dict[str, Any]]) -> bytes:
 
 
 def _expected(data: bytes) -> dict[str, dict[str, bytes]]:
-    """key -> field -> bytes, by Python's tarfile (the reference reader)."""
+    """key -> field -> bytes, by Python's tarfile (the reference reader), keyed as the
+    webdataset library keys them (a leading ``./`` kept)."""
     out: dict[str, dict[str, bytes]] = {}
     with tarfile.open(fileobj=io.BytesIO(data)) as tf:
         for m in tf:
             if m.isfile():
-                name = m.name[2:] if m.name.startswith("./") else m.name
-                head, _, base = name.rpartition("/")
+                head, _, base = m.name.rpartition("/")
                 stem, _, field = base.partition(".")
                 out.setdefault(f"{head}/{stem}" if head else stem, {})[field] = tf.extractfile(m).read()  # type: ignore[union-attr]
     return out
+
+
+def _webdataset(path: str) -> list[tuple[str, dict[str, bytes]]]:
+    """(key, fields) of every sample the webdataset library reads from one local tar."""
+    wds = pytest.importorskip("webdataset")
+    return [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+            for s in wds.WebDataset(path, shardshuffle=False)]
+
+
+def _readers(url: str) -> list[tuple[str, dict[str, bytes]]]:
+    """(key, fields) of every sample by each shardkit reader, checked to agree."""
+    def plain(s: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+        return s["__key__"], {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
+
+    streamed = [plain(s) for s in shardkit.StreamingDataset(url)]
+    ra = shardkit.ShardDataset(url)
+    assert [plain(ra[i]) for i in range(len(ra))] == streamed
+    assert [plain(ra.by_key(k)) for k, _ in streamed] == streamed
+    return streamed
 
 
 def _tars() -> dict[str, bytes]:
@@ -260,8 +279,8 @@ def test_keys_whose_hashes_collide_are_told_apart_by_reading_them_back(tmp_path,
     info = index_tars(str(tmp_path / "ok"), progress=False)
     assert info["num_samples"] == 12 + 3 + 1
     _check(str(tmp_path / "ok"), tars)
-    _put(str(tmp_path / "dup"), {**tars, "z.tar": _tarfile_bytes([("plain.bin", b"again")])})
-    with pytest.raises(SourceError, match=r"duplicate sample key 'plain': in a-001\.tar and z\.tar"):
+    _put(str(tmp_path / "dup"), {**tars, "z.tar": _tarfile_bytes([("./plain.bin", b"again")])})
+    with pytest.raises(SourceError, match=r"duplicate sample key './plain': in a-001\.tar and z\.tar"):
         index_tars(str(tmp_path / "dup"), progress=False)
 
 
@@ -295,8 +314,8 @@ def test_failed_index_removes_only_what_it_wrote(tmp_path, monkeypatch):
 
     monkeypatch.setattr(index, "FRAGMENT_ROWS", 7)  # a fragment is written before the failure
     tars = _tars()
-    _put(str(tmp_path), {**tars, "z.tar": _tarfile_bytes([("plain.bin", b"again")])})
-    with pytest.raises(SourceError, match="duplicate sample key 'plain'"):
+    _put(str(tmp_path), {**tars, "z.tar": _tarfile_bytes([("./plain.bin", b"again")])})
+    with pytest.raises(SourceError, match="duplicate sample key './plain'"):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / "manifest").exists() and not (tmp_path / "dataset.json").exists()
 
@@ -328,3 +347,31 @@ def test_tar_cut_after_its_last_member(tmp_path, cut):
     ds.verify(deep=True)
     assert bytes(shardkit.ShardDataset(str(tmp_path))[2]["txt"]) == b"payload 2"
     assert [bytes(s["txt"]) for s in shardkit.StreamingDataset(str(tmp_path))][-1] == b"payload 2"
+
+
+def test_keys_are_the_ones_webdataset_yields(tmp_path):
+    """index keeps the tars as they are, so its keys must be webdataset's: GNU ``tar -cf x.tar .``
+    names members ``./0001.jpg`` (key ``./0001``), and ``./0001.jpg`` then ``0001.cls`` are two
+    samples to webdataset, so two to shardkit too."""
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar command")
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for name, data in [("0001.jpg", b"a"), ("0001.cls", b"1"), ("0002.jpg", b"b"), ("sub/0003.jpg", b"c")]:
+        (src / name).write_bytes(data)
+    (tmp_path / "gnu").mkdir()
+    subprocess.run(["tar", "--sort=name", "-cf", str(tmp_path / "gnu" / "x.tar"), "-C", str(src), "."], check=True)
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "x.tar").write_bytes(
+        _tarfile_bytes([("./0001.jpg", b"a"), ("0001.cls", b"1"), ("./0002.jpg", b"b")], fmt=tarfile.USTAR_FORMAT))
+    for case in ("gnu", "mixed"):
+        root = str(tmp_path / case)
+        index_tars(root, progress=False)
+        want = _webdataset(f"{root}/x.tar")
+        assert _readers(root) == want
+        assert shardkit.open_dataset(root).samples.column("key").to_pylist() == [k for k, _ in want]
+    assert [k for k, _ in _webdataset(str(tmp_path / "gnu" / "x.tar"))] == ["./0001", "./0002", "./sub/0003"]
+    assert [k for k, _ in _webdataset(str(tmp_path / "mixed" / "x.tar"))] == ["./0001", "0001", "./0002"]
