@@ -102,7 +102,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"labels    {len(ds.labels)}: {shown}{' ...' if len(ds.labels) > 20 else ''}")
     print(f"created   {info.get('created')} (shardkit {info.get('shardkit_version')})")
     if info.get("skipped"):
-        print(f"skipped   {len(info['skipped'])} inputs at pack time")
+        if "index" in info:  # index lists a tar, not a member, per entry
+            print(f"skipped   {info['index'].get('skipped_members')} tar members (in {len(info['skipped'])} tars) "
+                  "that the webdataset library skips too")
+        else:
+            print(f"skipped   {len(info['skipped'])} inputs at pack time")
     return 0
 
 

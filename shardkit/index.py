@@ -7,6 +7,11 @@ on the way, into the whole-file xxh3-128 and the per-sample xxh3-64 of
 ``[offset of the sample's first header, end of its last member)``. Memory is one read chunk
 plus the small headers between members, whatever the member sizes.
 
+Samples are what the webdataset library reads from the same tars: its keys (``./0001`` for
+``./0001.jpg``), its lowercased fields, and the members it skips (``README``, ``__meta__``,
+``._0001.jpg``) left out, counted and listed per tar in dataset.json's ``skipped``. A skipped
+member between two members of one sample lies inside that sample's byte range, in no field.
+
 Nothing is committed unless every tar scans cleanly and no sample key repeats:
 ``dataset.json`` is written last, create-only, exactly as :func:`shardkit.pack` does. Keys
 are checked with a :class:`~shardkit.keyledger.KeyLedger` (12 bytes a key) once every tar is
@@ -16,6 +21,7 @@ read, so the driver's memory stays small at tens of millions of samples.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any, BinaryIO, Iterator
@@ -27,6 +33,7 @@ from .keyledger import KeyLedger
 from .manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragment_name, parquet_file, shards_table,
                        write_fragment, write_shards_table)
 from .progress import Progress
+from .sample import case_clash_reason
 from .storage import Store, attempts_for, is_transient, pause_before_retry, translate
 from .tarscan import TarMember, scan_tar, wds_split
 from .writer import SampleRows, ShardRecord
@@ -39,6 +46,7 @@ FRAGMENT_ROWS = 250_000
 # Bytes between two members that may still belong to one sample (headers of directories,
 # pax records): more than this is not a WebDataset tar.
 MAX_GAP = 16 * 2**20
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _PACK_CLAIM = "_pack/plan.json"
 
 
@@ -70,9 +78,12 @@ class _OnePass:
         self._off = 0
         self._loaded = 0  # bytes read from storage so far
         self._raw: BinaryIO | None = None
-        # Routing: bytes before _route_until go to the open sample's hash; later ones wait in
-        # _gap until the next member tells whether they belong to its sample.
+        # Routing: bytes before _route_until go to _sink; later ones wait in _gap until the
+        # next member tells whether they belong to its sample. _sink is the open sample's hash
+        # or, over a member webdataset skips, a copy of it that also takes that member: kept if
+        # the sample's next member follows (webdataset's sample spans it), else dropped.
         self._sample: Any = None
+        self._sink: Any = None
         self._sample_key: str | None = None
         self._sample_start = 0
         self._route_until = 0
@@ -80,6 +91,8 @@ class _OnePass:
         self._gap_start = 0
         self._gap_len = 0
         self._discard = False  # after the scan: bytes only feed the file hash
+        self.skipped = 0  # members webdataset skips
+        self.first_skipped: str | None = None
         self.digests: dict[int, int] = {}  # first header offset -> xxh3-64 of the sample
 
     # -- reading ---------------------------------------------------------------------------
@@ -181,8 +194,8 @@ class _OnePass:
         if not data or self._discard:
             return
         inside = max(0, min(len(data), self._route_until - start))
-        if inside:
-            self._sample.update(memoryview(data)[:inside])
+        if inside and self._sink is not None:
+            self._sink.update(memoryview(data)[:inside])
         if inside < len(data):
             if not self._gap:
                 self._gap_start = start + inside
@@ -198,69 +211,115 @@ class _OnePass:
         self._gap.clear()
         self._gap_len = 0
         if self._sample is not None and key == self._sample_key:
-            self._sample.update(gap)  # headers between members of one sample are part of it
+            # Headers and skipped members between members of one sample are part of it.
+            self._sample = self._sink
+            self._sample.update(gap)
         else:
             self._close_sample()
             self._sample = xxhash.xxh3_64()
             self._sample_key = key
             self._sample_start = m.offset_header
             self._sample.update(gap[m.offset_header - self._gap_start:])
+        self._sink = self._sample
+        self._route_until = m.end
+
+    def skip(self, m: TarMember) -> None:
+        """Pass over a member webdataset skips (its header consumed, data not yet). Its bytes
+        go to a copy of the open sample's hash, not to the gap, so a big one costs no memory."""
+        self.skipped += 1
+        if self.first_skipped is None:
+            self.first_skipped = m.name
+        gap = b"".join(self._gap)
+        self._gap.clear()
+        self._gap_len = 0
+        if self._sample is not None:
+            if self._sink is self._sample:
+                self._sink = self._sample.copy()
+            self._sink.update(gap)
         self._route_until = m.end
 
     def _close_sample(self) -> None:
         if self._sample is not None:
             self.digests[self._sample_start] = self._sample.intdigest()
             self._sample = None
+            self._sink = None
             self._sample_key = None
 
 
-def _samples(url: str, members: Iterator[TarMember], reader: _OnePass) -> Iterator[tuple[str, list[TarMember]]]:
+def _samples(members: Iterator[TarMember], reader: _OnePass) -> Iterator[tuple[str, list[tuple[TarMember, str]]]]:
     """Group consecutive members by key as the webdataset library does (``group_by_keys`` over
-    ``base_plus_ext``, the name kept as it is: ``./0001.jpg`` is key ``./0001``), telling the
-    reader which sample each member's bytes belong to; yields ``(key, members)``."""
+    ``base_plus_ext``, the name kept as it is: ``./0001.jpg`` is key ``./0001``), passing over
+    the members it skips, and telling the reader which sample each member's bytes belong to;
+    yields ``(key, [(member, field), ...])``."""
     key: str | None = None
-    group: list[TarMember] = []
+    group: list[tuple[TarMember, str]] = []
     for m in members:
         split = wds_split(m.name)
-        if split is None or split[0].endswith("/"):  # ".jpg", "dir/.jpg": a sample with no key
-            raise UnsafeTarError(f"{url}: member {m.name!r} has no key (nothing before the first dot "
-                                 "of its name); refused")
+        if split is None:
+            reader.skip(m)
+            continue
         reader.member(m, split[0])
         if group and split[0] != key:
             yield key, group  # type: ignore[misc]  # key is set once group is not empty
             group = []
         key = split[0]
-        group.append(m)
+        group.append((m, split[1]))
     if group:
         yield key, group  # type: ignore[misc]
 
 
-def _fields(url: str, members: list[TarMember]) -> list[dict[str, Any]]:
-    from .sources.wds import _fields as field_names  # same rules as packing these tars
+def _fields(url: str, key: str, members: list[tuple[TarMember, str]]) -> list[dict[str, Any]]:
+    """The field spans of one sample, names lowercased as webdataset does. Any field name it
+    reads is kept (``jpg~``, ``depth+16.png``, ``a b``); refused: an empty one, a backslash,
+    a control character or bytes that are not UTF-8 in the name (unreadable in the manifest, or
+    a path on extraction), and two fields that lowercase alike (webdataset refuses the sample)."""
+    spans: list[dict[str, Any]] = []
+    seen: dict[str, str] = {}
+    for m, field in members:
+        problem = ("has an empty field name" if not field else
+                   "has a backslash in its field name" if "\\" in field else
+                   "has a control character in its name" if _CONTROL.search(m.name) else
+                   "has a name that is not UTF-8" if not _is_utf8(m.name) else None)
+        if problem:
+            raise SourceError(f"{url}: member {m.name!r} {problem}; refused")
+        name = field.lower()
+        if name in seen:
+            if seen[name] == field:
+                raise SourceError(f"{url}: member {m.name!r} repeats field {field!r} in its sample")
+            raise SourceError(f"{url}: sample {key!r}: {case_clash_reason(seen[name], field)}")
+        seen[name] = field
+        spans.append({"name": name, "offset": m.offset_data, "size": m.size})
+    return spans
 
-    return [{"name": name, "offset": m.offset_data, "size": m.size}
-            for m, name in zip(members, field_names(url, members))]
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")  # names are decoded with surrogateescape: bad bytes fail here
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLedger,
-              fields: set[str], progress: Any = None) -> ShardRecord:
-    """Scan one tar (one sequential read) and append its sample rows to ``rows``."""
+              fields: set[str], progress: Any = None, skipped: list[tuple[str, int, str]] | None = None) -> ShardRecord:
+    """Scan one tar (one sequential read) and append its sample rows to ``rows``, and to
+    ``skipped`` ``(rel, count, first name)`` if it holds members webdataset skips."""
     url = store.url_of(rel)
     size = store.size(rel)
     reader = _OnePass(store, rel, size)
-    groups: list[tuple[str, list[TarMember]]] = []
+    groups: list[tuple[str, list[tuple[TarMember, str]]]] = []
     first = len(rows)
     try:
         scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
-        for key, members in _samples(url, scan, reader):
-            spans = _fields(url, members)
+        for key, members in _samples(scan, reader):
+            spans = _fields(url, key, members)
             keys.add(key, shard)
             fields.update(s["name"] for s in spans)
             groups.append((key, members))
             rows.key.append(key)
             rows.shard.append(shard)
-            rows.offset.append(members[0].offset_header)
-            rows.size.append(members[-1].end - members[0].offset_header)
+            rows.offset.append(members[0][0].offset_header)
+            rows.size.append(members[-1][0].end - members[0][0].offset_header)
             rows.fields.append(spans)
             rows.meta.append({})
             if progress is not None:
@@ -268,11 +327,13 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
         checksum = reader.finish()
     finally:
         reader.close()
-    rows.checksum.extend(reader.digests[m[0].offset_header] for _, m in groups)
+    rows.checksum.extend(reader.digests[m[0][0].offset_header] for _, m in groups)
     if len(rows.checksum) != len(rows.key) or len(rows) - first != len(groups):
         raise AssertionError("index bookkeeping out of step")  # pragma: no cover
     if progress is not None:
         progress(0, size)
+    if reader.first_skipped is not None and skipped is not None:
+        skipped.append((rel, reader.skipped, reader.first_skipped))
     return ShardRecord(shard, rel, len(groups), size, checksum)
 
 
@@ -320,10 +381,12 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
     keys = KeyLedger()
     rows = SampleRows()
     pending: list[ShardRecord] = []
+    skipped: list[tuple[str, int, str]] = []  # tars with members webdataset skips
     try:
         with Progress(None, total, len(tars), "index", enabled=progress) as bar:
             for rel in tars:
-                rec = index_tar(store, rel, len(records) + len(pending), rows, keys, fields, bar.advance)
+                rec = index_tar(store, rel, len(records) + len(pending), rows, keys, fields, bar.advance,
+                                skipped)
                 bar.task_done()
                 if rec.num_samples == 0:
                     log.warning("%s holds no samples; left out of the manifest", store.url_of(rel))
@@ -339,8 +402,16 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         _refuse_repeated_keys(store, keys, records, files, groups)
         table = shards_table(records, files, groups)
         write_shards_table(store, table)
-        info = dataset_info(table, sorted(fields), {"type": "index", "path": store.url, "tars": len(tars)}, None, [],
-                            {"index": {"tars": len(records)}})
+        passed = sum(n for _, n, _ in skipped)
+        if skipped:
+            log.warning("skipped %d members in %d tars that the webdataset library skips too (no dot in the name, "
+                        "__*__ metadata, hidden ._ files), first %r in %s; listed in dataset.json", passed,
+                        len(skipped), skipped[0][2], store.url_of(skipped[0][0]))
+        # One entry a tar, not a member: a collection can hold a ._ file beside every sample.
+        listed = [{"ref": rel, "key": "", "reason": f"{n} members the webdataset library skips too, first {first!r}"}
+                  for rel, n, first in skipped]
+        info = dataset_info(table, sorted(fields), {"type": "index", "path": store.url, "tars": len(tars)}, None,
+                            listed, {"index": {"tars": len(records), "skipped_members": passed}})
         commit(store, info)
     except BaseException:
         # Only what this run wrote (manifest/ was empty or cleared when it started): its

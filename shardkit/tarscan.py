@@ -204,17 +204,27 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 # The webdataset library's ``base_plus_ext`` (tariterators.py): the key is everything up to the
-# first dot of the basename, the field the rest.
+# first dot of the basename, the field the rest; and ``tar_file_iterator``'s default
+# ``skip_meta``, which drops ``__*__`` metadata members.
 _WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_WDS_META = re.compile(r"__[^/]*__($|/)")
 
 
 def wds_split(name: str) -> tuple[str, str] | None:
-    """The webdataset library's ``(key, field)`` of a member name, the name kept as it is:
-    ``"./a/b.c.jpg"`` -> ``("./a/b", "c.jpg")``; None where it finds no key and field.
+    """The webdataset library's ``(key, field)`` of a member name, the name kept as it is
+    (``"./a/b.c.jpg"`` -> ``("./a/b", "c.jpg")``), or None for a member it skips.
 
     ``shardkit index`` keeps the tars as they are, so its keys must be the ones webdataset
     yields for them (:func:`split_name`, which drops ``./``, is pack's rule for its own keys).
+    webdataset skips ``__*__`` metadata (``__meta__``), names with no dot in the basename
+    (``README``) and, at the top level, basenames starting with a dot (macOS ``._0001.jpg``).
+    Below a folder it makes such a member a sample keyed by the folder (``dir/._x.jpg`` is
+    key ``dir/``, field ``_x.jpg``), which is never a real sample: skipped here too.
     """
+    if ("/" not in name and name.startswith("__") and name.endswith("__")) or _WDS_META.match(name):
+        return None
+    if name.rpartition("/")[2].startswith("."):
+        return None
     match = _WDS_NAME.match(name)
     return (match.group(1), match.group(2)) if match else None
 

@@ -196,13 +196,31 @@ def test_hostile_tar_refused_nothing_committed(tmp_path, kind):
     assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
 
 
-@pytest.mark.parametrize("name", [".jpg", "dir/.jpg", "./.cls"])
-def test_member_without_a_key_is_refused(tmp_path, name):
+@pytest.mark.parametrize("name", [".jpg", "dir/.jpg", "./.cls", "README", "__meta__", "__meta__/x.jpg", "._fine.txt"])
+def test_member_without_a_key_is_skipped(tmp_path, name, caplog, capsys):
+    """Members the webdataset library skips (no key and field, ``__*__`` metadata, hidden
+    names) are left out, counted and named once, not a reason to refuse the collection."""
     _put(str(tmp_path), {"a.tar": _tarfile_bytes([("fine.txt", b"fine"), (name, b"x")])})
-    with pytest.raises(UnsafeTarError, match=re.escape(repr(name))):
+    with caplog.at_level("WARNING", logger="shardkit"):
+        info = index_tars(str(tmp_path), progress=False)
+    assert info["num_samples"] == 1 and info["index"]["skipped_members"] == 1
+    assert info["skipped"] == [{"ref": "a.tar", "key": "", "reason": f"1 members the webdataset library skips too, "
+                                                                     f"first {name!r}"}]
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "skipped 1 members in 1 tars" in line and repr(name) in line and "a.tar" in line
+    assert [bytes(s["txt"]) for s in shardkit.StreamingDataset(str(tmp_path))] == [b"fine"]
+    capsys.readouterr()
+    assert cli_main(["info", str(tmp_path)]) == 0
+    assert "skipped   1 tar members (in 1 tars) that the webdataset library skips too" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, problem", [("0001.", "empty field name"), ("0001.a\\b", "backslash in its field name"),
+                                           ("0001.a\nb", "control character"), ("00\x1b1.jpg", "control character")])
+def test_unreadable_field_names_are_refused(tmp_path, name, problem):
+    _put(str(tmp_path), {"a.tar": _tarfile_bytes([("0000.txt", b"0"), (name, b"x")])})
+    with pytest.raises(SourceError, match=re.escape(f"a.tar: member {name!r} ") + ".*" + re.escape(problem)):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / "dataset.json").exists()
-    assert cli_main(["index", str(tmp_path), "--quiet"]) == 1
 
 
 def test_long_link_target_error_names_the_member(tmp_path):
@@ -375,3 +393,32 @@ def test_keys_are_the_ones_webdataset_yields(tmp_path):
         assert shardkit.open_dataset(root).samples.column("key").to_pylist() == [k for k, _ in want]
     assert [k for k, _ in _webdataset(str(tmp_path / "gnu" / "x.tar"))] == ["./0001", "./0002", "./sub/0003"]
     assert [k for k, _ in _webdataset(str(tmp_path / "mixed" / "x.tar"))] == ["./0001", "0001", "./0002"]
+
+
+def test_members_webdataset_skips_or_reads_are_indexed_as_it_reads_them(tmp_path, monkeypatch):
+    """A ``README``, ``__meta__`` or macOS ``._x.jpg`` member, or a field with ``~``, ``+`` or a
+    space, used to refuse the whole collection. Now index reads what webdataset reads: skipped
+    members between a sample's members lie inside its byte range but in none of its fields,
+    and the sample's checksum covers them; a big one is not buffered (MAX_GAP stays small)."""
+    import xxhash
+
+    from shardkit import index
+
+    monkeypatch.setattr(index, "MAX_GAP", 4096)
+    members = [("__meta__", b"m"), ("README", b"read me"), ("0001.jpg", b"J1"), ("._0001.jpg", b"apple" * 3000),
+               ("0001.cls", b"1"), ("0001.jpg~", b"backup"), ("0002.depth+16.png", b"D2"), ("0002.a b", b"space"),
+               ("._0002.png", b"junk"), ("0003.JPG", b"J3"), ("__meta__/x.jpg", b"m2")]
+    data = _tarfile_bytes(members)
+    _put(str(tmp_path), {"x.tar": data})
+    info = index_tars(str(tmp_path), progress=False)
+    assert info["index"]["skipped_members"] == 5
+    want = _webdataset(str(tmp_path / "x.tar"))
+    assert [k for k, _ in want] == ["0001", "0002", "0003"]
+    assert _readers(str(tmp_path)) == want
+    ds = shardkit.open_dataset(str(tmp_path))
+    ds.verify(deep=True)
+    assert set(ds.fields) == {"jpg", "cls", "jpg~", "depth+16.png", "a b"}
+    for row in ds.samples.to_pylist():
+        assert row["checksum"] == xxhash.xxh3_64_intdigest(data[row["offset"]:row["offset"] + row["size"]])
+    first = ds.samples.to_pylist()[0]
+    assert b"apple" * 3000 in data[first["offset"]:first["offset"] + first["size"]]  # spanned, not a field
