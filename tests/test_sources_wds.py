@@ -404,3 +404,34 @@ def test_folder_of_tars_and_other_files_is_refused(tmp_path, other):
     assert ("compressed tars are not supported" in msg) == other.endswith(".tar.gz")
     assert cli_main(["pack", str(src), str(tmp_path / "ds"), "--quiet"]) == 1
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_local_glob_of_tars(tmp_path, scheme, capsys):
+    """README lists a glob of tars as a source; a local one was refused as "does not exist"
+    (globs worked on s3:// only). Matches are read sorted; an empty match or a glob that
+    matches other files is one line naming the pattern."""
+    from shardkit.cli import main as cli_main
+
+    (tmp_path / "tars").mkdir()
+    for i, members in ((1, [("q.txt", b"q")]), (0, SAMPLES), (2, [("r.txt", b"r")])):
+        (tmp_path / "tars" / f"shard-{i}.tar").write_bytes(tar_bytes(members))
+    (tmp_path / "tars" / "notes.txt").write_text("not matched by the glob")
+    pattern = f"{scheme}{tmp_path}/tars/shard-*.tar"
+    src = resolve_source(pattern)
+    assert isinstance(src, WdsTarSource)
+    assert [u for u, _ in src.tars()] == [str(tmp_path / "tars" / f"shard-{i}.tar") for i in range(3)]
+    _check_roundtrip(src, {**EXPECTED, "q": {"txt": b"q"}, "r": {"txt": b"r"}})
+    assert cli_main(["pack", pattern, str(tmp_path / f"ds{len(scheme)}"), "--quiet"]) == 0
+    assert shardkit.open_dataset(str(tmp_path / f"ds{len(scheme)}")).num_samples == len(EXPECTED) + 2
+
+    empty = f"{scheme}{tmp_path}/tars/nothing-*.tar"
+    with pytest.raises(SourceNotFoundError, match=rf"source {tmp_path}/tars/nothing-\*\.tar: no files match"):
+        resolve_source(empty)
+    capsys.readouterr()
+    assert cli_main(["pack", empty, str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing-*.tar: no files match this pattern" in err
+    with pytest.raises(SourceError, match=r"tars/\*: a glob is read as WebDataset tars, but it matches .*notes\.txt"):
+        resolve_source(f"{scheme}{tmp_path}/tars/*")
+

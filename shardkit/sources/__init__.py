@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob as _glob
 import os
 import re
 from pathlib import Path
@@ -68,6 +69,21 @@ def _mixed_tars(path: Path) -> str:
             "a folder of their own")
 
 
+def _local_glob(pattern: Path) -> Source:
+    """WebDataset tars matching a local glob (``dir/shard-*.tar``), read as a glob of
+    ``s3://`` tars is; anything else it matches is refused, not read as a tar."""
+    from .wds import WdsTarSource
+
+    matches = sorted(p for p in _glob.glob(str(pattern), recursive=True) if os.path.isfile(p))
+    if not matches:
+        raise SourceNotFoundError(f"source {pattern}: no files match this pattern")
+    others = [p for p in matches if not p.lower().endswith(".tar")]
+    if others:
+        raise SourceError(f"source {pattern}: a glob is read as WebDataset tars, but it matches {others[0]} "
+                          f"({len(others)} files that are not .tar)")
+    return WdsTarSource(str(pattern))
+
+
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
              hdf5_rows: str | None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
@@ -86,6 +102,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
     # Absolute: Ray tasks on an existing cluster run in another working directory.
     path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
+    if not path.exists() and _glob.has_magic(str(path)):  # a file named "[a].tar" is read as itself
+        return _local_glob(path)
     if not path.exists():
         raise SourceNotFoundError(f"source {path} does not exist")
     suffix = path.suffix.lower()

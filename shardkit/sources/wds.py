@@ -101,7 +101,8 @@ class WdsTarSource:
                 else:
                     paths = []
                 if not paths:
-                    raise SourceNotFoundError(f"{url}: no such file or directory")
+                    what = "no files match this pattern" if _glob.has_magic(path) else "no such file or directory"
+                    raise SourceNotFoundError(f"{url}: {what}")
                 for p in paths:
                     out.append((self._url(fs, p), int(fs.size(p))))
             except (SourceError, UnsafeTarError):
