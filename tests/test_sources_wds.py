@@ -435,3 +435,27 @@ def test_local_glob_of_tars(tmp_path, scheme, capsys):
     with pytest.raises(SourceError, match=r"tars/\*: a glob is read as WebDataset tars, but it matches .*notes\.txt"):
         resolve_source(f"{scheme}{tmp_path}/tars/*")
 
+
+def test_indexed_folder_packs_as_tars(tmp_path):
+    """After ``shardkit index DIR``, ``shardkit pack DIR DEST`` refused DIR as a folder mixing
+    .tar files with other files: index's own dataset.json and manifest/. They are not input."""
+    from shardkit.cli import main as cli_main
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.tar").write_bytes(tar_bytes(SAMPLES))
+    (src / "sub" / "b.tar").write_bytes(tar_bytes([("q.txt", b"q")]))
+    assert cli_main(["index", str(src), "--quiet"]) == 0
+    assert (src / "dataset.json").is_file() and any((src / "manifest").iterdir())
+    (src / "_pack").mkdir()
+    (src / "_pack" / "left.tar").write_bytes(tar_bytes([("stale.txt", b"s")]))  # an unfinished pack's, not input
+    src_obj = resolve_source(str(src))
+    assert isinstance(src_obj, WdsTarSource)
+    assert [u for u, _ in src_obj.tars()] == [str(src / "a.tar"), str(src / "sub" / "b.tar")]
+    assert cli_main(["pack", str(src), str(tmp_path / "ds"), "--quiet"]) == 0
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    assert ds.num_samples == len(EXPECTED) + 1 and set(ds.fields) == {"b.jpg", "cls", "json", "txt", "jpg"}
+    # Without dataset.json, manifest/ is someone's folder like any other: still refused as mixed.
+    (src / "dataset.json").unlink()
+    with pytest.raises(SourceError, match="other file"):
+        resolve_source(str(src))

@@ -40,9 +40,18 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     return src
 
 
+# What shardkit keeps beside the tars of a folder it indexed (``shardkit index DIR``), and a
+# pack's claim folder: not input, so not "other files" when that folder is packed as tars.
+_DATASET_OWN = ("dataset.json", "manifest", "_pack")
+
+
 def _files(path: Path) -> Iterator[Path]:
-    """Every file under ``path``, hidden ones aside (a generator: a folder may hold 20 M)."""
-    return (p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    """Every file under ``path``, hidden ones aside, and a committed dataset's own files
+    (``dataset.json``, ``manifest/``, ``_pack/``) when ``path`` is one (a generator: a folder
+    may hold 20 M)."""
+    own = _DATASET_OWN if (path / "dataset.json").is_file() else ()
+    return (p for p in path.rglob("*")
+            if p.is_file() and not p.name.startswith(".") and p.relative_to(path).parts[0] not in own)
 
 
 def _mixed_tars(path: Path) -> str:

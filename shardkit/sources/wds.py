@@ -93,7 +93,9 @@ class WdsTarSource:
                 if _glob.has_magic(path):
                     paths = sorted(p for p in fs.glob(path) if fs.isfile(p))
                 elif fs.isdir(path):
-                    paths = sorted(p for p in fs.find(path) if p.endswith(".tar"))
+                    # Not what an unfinished pack left in _pack/ (as `shardkit index` leaves it out).
+                    claim = f"{path.rstrip('/')}/_pack/"
+                    paths = sorted(p for p in fs.find(path) if p.endswith(".tar") and not p.startswith(claim))
                     if not paths:
                         raise SourceError(f"{url}: no .tar files found")
                 elif fs.exists(path):
