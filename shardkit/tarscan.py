@@ -123,6 +123,7 @@ def scan_tar(
             return
         buf = _read_at(fileobj, pos, BLOCK)
         if len(buf) < BLOCK:
+            _refuse_compressed(buf, pos, name)
             raise UnsafeTarError(f"{name}: truncated tar header at offset {pos} ({len(buf)} of 512 bytes)")
         if buf == b"\x00" * BLOCK:
             if member_start is not None:
@@ -131,6 +132,7 @@ def scan_tar(
         try:
             info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
         except tarfile.HeaderError as exc:
+            _refuse_compressed(buf, pos, name)
             raise UnsafeTarError(f"{name}: bad tar header at offset {pos}: {exc}") from exc
         if member_start is None:
             member_start = pos
@@ -188,6 +190,20 @@ def scan_tar(
             raise UnsafeTarError(f"{name}: member {member!r} has unsupported type {info.type!r}; refused")
         yield TarMember(name=member, offset_header=first, offset_data=data_off, size=size, end=end)
         pos = data_off + _round_up(size)
+
+
+# Magic bytes at the start of compressed files: a .tar.gz renamed .tar fails as a tar, and the
+# error should say why.
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz"}
+
+
+def _refuse_compressed(buf: bytes, pos: int, name: str) -> None:
+    """UnsafeTarError naming the compression when the file's first bytes (``pos`` 0), which do
+    not parse as a tar header, are a compressed file's magic bytes."""
+    kind = next((k for magic, k in _COMPRESSED.items() if buf.startswith(magic)), None) if pos == 0 else None
+    if kind is not None:
+        raise UnsafeTarError(f"{name}: looks {kind}-compressed (starts with {kind}'s magic bytes); compressed tars "
+                             "are not read: decompress it to a plain .tar")
 
 
 def split_name(name: str) -> tuple[str, str]:

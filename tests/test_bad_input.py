@@ -460,3 +460,33 @@ def test_errors_are_shardkit_errors(tmp_path: Path) -> None:
         assert isinstance(err.value, ValueError)
         check_message(err.value, name)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz", "zstd"])
+@pytest.mark.parametrize("payload", [1, 4000])  # a compressed file shorter, and longer, than one tar header
+def test_compressed_file_named_tar_says_so(tmp_path: Path, kind: str, payload: int) -> None:
+    """A .tar.gz renamed .tar said "truncated tar header at offset 0 (96 of 512 bytes)"."""
+    import bz2
+    import gzip
+    import io
+    import lzma
+    import tarfile
+
+    import pyarrow as pa
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("0001.bin")
+        info.size = payload
+        tf.addfile(info, io.BytesIO(os.urandom(payload)))
+    raw = buf.getvalue()
+    packed = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+              "zstd": lambda b: pa.compress(b, codec="zstd", asbytes=True)}[kind](raw)
+    assert (len(packed) < 512) == (payload == 1)
+    (tmp_path / "wds").mkdir()
+    (tmp_path / "wds" / "x.tar").write_bytes(packed)
+    want = f"x.tar: looks {kind}-compressed"
+    line = one_line(cli("index", str(tmp_path / "wds")).stderr)
+    assert want in line and "compressed tars are not read" in line
+    with pytest.raises(ShardkitError, match=want):
+        shardkit.pack(str(tmp_path / "wds" / "x.tar"), str(tmp_path / "ds"), progress=False)
