@@ -1,6 +1,7 @@
 """Walk the headers of a tar from outside without reading member data, refusing what is unsafe.
 
-Used to re-shard existing WebDataset tars and (later) by ``shardkit index``. Only headers are
+Used to re-shard existing WebDataset tars (keys by :func:`split_name`) and by ``shardkit index``
+(keys by :func:`wds_split`, webdataset's own rule, as it keeps the tars). Only headers are
 read: each 512-byte header is parsed, the data is skipped with a seek, so scanning a remote
 tar costs sequential small reads. pax (``x``) and GNU long-name (``L``) headers are applied
 to the member that follows them; that member's ``offset_header`` is the offset of its first

@@ -57,12 +57,14 @@ def _webdataset(path: str) -> list[tuple[str, dict[str, bytes]]]:
             for s in wds.WebDataset(path, shardshuffle=False)]
 
 
-def _readers(url: str) -> list[tuple[str, dict[str, bytes]]]:
+def _readers(url: str, cache_dir: Any = None) -> list[tuple[str, dict[str, bytes]]]:
     """(key, fields) of every sample by each shardkit reader, checked to agree."""
     def plain(s: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         return s["__key__"], {k: bytes(v) for k, v in s.items() if not k.startswith("__")}
 
     streamed = [plain(s) for s in shardkit.StreamingDataset(url)]
+    if cache_dir is not None:  # whole shards fetched into the node cache, samples sliced from them
+        assert [plain(s) for s in shardkit.StreamingDataset(url, cache_dir=cache_dir)] == streamed
     ra = shardkit.ShardDataset(url)
     assert [plain(ra[i]) for i in range(len(ra))] == streamed
     assert [plain(ra.by_key(k)) for k, _ in streamed] == streamed
@@ -414,7 +416,7 @@ def test_members_webdataset_skips_or_reads_are_indexed_as_it_reads_them(tmp_path
     assert info["index"]["skipped_members"] == 5
     want = _webdataset(str(tmp_path / "x.tar"))
     assert [k for k, _ in want] == ["0001", "0002", "0003"]
-    assert _readers(str(tmp_path)) == want
+    assert _readers(str(tmp_path), tmp_path / "cache") == want
     ds = shardkit.open_dataset(str(tmp_path))
     ds.verify(deep=True)
     assert set(ds.fields) == {"jpg", "cls", "jpg~", "depth+16.png", "a b"}
