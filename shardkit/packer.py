@@ -8,6 +8,8 @@ then ``dataset.json`` (create-only), so a dataset is visible only when complete.
 
 from __future__ import annotations
 
+import glob
+import itertools
 import json
 import logging
 import os
@@ -211,7 +213,10 @@ def _local_path(text: str) -> Path | None:
         text = text[len("file://"):]
     elif "://" in text:
         return None
-    return Path(text).expanduser().resolve()
+    path = Path(text).expanduser()
+    if not path.exists() and glob.has_magic(text):  # a glob of tars: the folder it starts from
+        path = Path(*itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
+    return path.resolve()
 
 
 def _refuse_nested(source: Any, store: Store) -> None:

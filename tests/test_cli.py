@@ -134,6 +134,17 @@ def test_destination_and_source_nested_are_refused(where: str, source: Path, tmp
         shardkit.pack(f"file://{src}", str(dest), progress=False)
 
 
+def test_destination_inside_a_globbed_source_folder_is_refused(source: Path, tmp_path: Path) -> None:
+    """A glob of tars names files that may not exist yet: ``pack 'tars/**/*.tar' tars/out`` would
+    read its own earlier shards on a rerun, so the folder the glob starts from counts."""
+    tars = tmp_path / "tars"
+    shardkit.pack(str(source), str(tars), progress=False)
+    with pytest.raises(shardkit.errors.ConfigError, match=f"destination {tars}/out is inside the source {tars}"):
+        shardkit.pack(f"{tars}/**/*.tar", str(tars / "out"), progress=False)
+    info = shardkit.pack(f"{tars}/shards/*.tar", str(tmp_path / "elsewhere"), progress=False)
+    assert info["num_samples"] == shardkit.open_dataset(str(tars)).num_samples
+
+
 def test_cli_on_s3_never_shows_the_secret(source: Path, s3_server: Any, s3_bucket: str) -> None:
     env = s3_server.env()
     url = f"{s3_bucket}/ds"
