@@ -21,8 +21,11 @@ META_KEYS = ("__key__", "__index__", "__shard__")
 Decoder = Callable[[dict[str, Any]], Any]
 
 
-def npy_view(buf: memoryview | bytes, writable: bool = False) -> np.ndarray:
-    """A numpy array over a ``.npy`` member's bytes, without copying the data."""
+def npy_view(buf: memoryview | bytes, writable: bool = False, native: bool = True) -> np.ndarray:
+    """A numpy array over a ``.npy`` member's bytes, without copying the data.
+
+    ``native``: a big-endian array comes back converted to native byte order (a copy), as
+    decoders hand it to torch; ``False`` keeps the stored dtype, as ``np.load`` does."""
     view = memoryview(buf)
     head = bytes(view[:min(len(view), 65536 + 16)])
     bio = io.BytesIO(head)
@@ -39,7 +42,7 @@ def npy_view(buf: memoryview | bytes, writable: bool = False) -> np.ndarray:
     count = int(np.prod(shape)) if shape else 1
     arr = np.frombuffer(view, dtype=dtype, count=count, offset=bio.tell())
     arr = arr.reshape(shape, order="F" if fortran else "C")
-    if not arr.dtype.isnative:  # big-endian (HDF5, FITS): torch takes only native byte order
+    if native and not arr.dtype.isnative:  # big-endian (HDF5, FITS): torch takes only native byte order
         return arr.astype(arr.dtype.newbyteorder("="))
     if writable and not arr.flags.writeable:
         arr = arr.copy()

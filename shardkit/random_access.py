@@ -459,7 +459,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                 (slices are not silently clipped).
 
         Returns:
-            From the cache: a read-only zero-copy view of the mapped shard. From storage: a
+            The array in its stored dtype (a big-endian member stays big-endian, as with
+            ``np.load``; ``decode="numpy"`` converts to native order for torch). From the
+            cache: a read-only zero-copy view of the mapped shard. From storage: a
             fresh array holding only the requested rows. A C-ordered member with step 1 moves
             exactly the rows' bytes (plus the cached header read); a step other than 1 moves
             the rows covering the slice, and a Fortran-ordered member moves the whole array
@@ -472,7 +474,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         cached = self._cached(info)
         if cached is not None:
             self._verify_cached(cached, info, srows, pos, i)
-            arr = npy_view(cached.buffer()[offset:offset + size])
+            arr = npy_view(cached.buffer()[offset:offset + size], native=False)  # the stored dtype, as from storage
             return arr if rows is None else arr[self._rows_sel(arr.shape, rows, srows.key(pos), i, field)]
         hdr = self._header(info, srows, pos, i, field, offset, size, None)
         if rows is None or hdr.fortran:

@@ -180,6 +180,22 @@ def test_cached_shards_give_zero_copy_readonly_arrays(packed: Any, tmp_path: Any
     ds.close()
 
 
+def test_read_array_gives_the_stored_dtype_from_storage_and_cache(packed: Any, tmp_path: Any) -> None:
+    url, opts, items = packed
+    i = next(k for k, it in enumerate(items) if it["npy"].dtype == np.dtype(">i4") and it["npy"].shape[0] >= 3)
+    cold = shardkit.ShardDataset(url, storage_options=opts)
+    warm = shardkit.ShardDataset(url, cache_dir=tmp_path, storage_options=opts, cache_shards=True)
+    for ds in (cold, warm):
+        for rows in (None, slice(0, 2), slice(-1, None)):
+            got = ds.read_array(i, "npy", rows=rows)
+            want = items[i]["npy"] if rows is None else items[i]["npy"][rows]
+            assert got.dtype == np.dtype(">i4"), (ds.cache_dir, rows)  # as np.load gives it
+            np.testing.assert_array_equal(got, want)
+    assert warm.stats()["bytes"] > 0 and warm.read_array(i, "npy").base is not None  # zero-copy from the cache
+    cold.close()
+    warm.close()
+
+
 def _flip_byte(s3_server: Any, url: str, shard_path: str, at: int) -> None:
     fs = s3_server.filesystem()
     obj = url[len("s3://"):] + "/" + shard_path
