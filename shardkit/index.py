@@ -4,7 +4,8 @@ The tars are not rewritten: each becomes one shard whose ``path`` is the tar's p
 to the dataset root. Each tar is read exactly once, front to back, in bounded chunks: the
 bytes pass through :func:`shardkit.tarscan.scan_tar` (which refuses hostile members) and,
 on the way, into the whole-file xxh3-128 and the per-sample xxh3-64 of
-``[offset of the sample's first header, end of its last member)``. Memory is one read chunk
+``[offset of the sample's first header, end of its last member)`` (and of its 1 MiB blocks,
+:mod:`shardkit.blockhash`). Memory is one read chunk
 plus the small headers between members, whatever the member sizes.
 
 Samples are what the webdataset library reads from the same tars: its keys (``./0001`` for
@@ -28,6 +29,7 @@ from typing import Any, BinaryIO, Iterator
 
 import xxhash
 
+from .blockhash import SampleHasher
 from .errors import DatasetExistsError, SourceError, UnsafeTarError
 from .keyledger import KeyLedger
 from .manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragment_name, parquet_file, shards_table,
@@ -94,6 +96,7 @@ class _OnePass:
         self.skipped = 0  # members webdataset skips
         self.first_skipped: str | None = None
         self.digests: dict[int, int] = {}  # first header offset -> xxh3-64 of the sample
+        self.blocks: dict[int, list[int] | None] = {}  # first header offset -> its block checksums
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -216,7 +219,7 @@ class _OnePass:
             self._sample.update(gap)
         else:
             self._close_sample()
-            self._sample = xxhash.xxh3_64()
+            self._sample = SampleHasher()
             self._sample_key = key
             self._sample_start = m.offset_header
             self._sample.update(gap[m.offset_header - self._gap_start:])
@@ -241,6 +244,7 @@ class _OnePass:
     def _close_sample(self) -> None:
         if self._sample is not None:
             self.digests[self._sample_start] = self._sample.intdigest()
+            self.blocks[self._sample_start] = self._sample.blocks()
             self._sample = None
             self._sink = None
             self._sample_key = None
@@ -328,6 +332,7 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
     finally:
         reader.close()
     rows.checksum.extend(reader.digests[m[0][0].offset_header] for _, m in groups)
+    rows.blocks.extend(reader.blocks[m[0][0].offset_header] for _, m in groups)
     if len(rows.checksum) != len(rows.key) or len(rows) - first != len(groups):
         raise AssertionError("index bookkeeping out of step")  # pragma: no cover
     if progress is not None:

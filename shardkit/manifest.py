@@ -10,6 +10,13 @@ Layout under a dataset root::
 ``shards.parquet`` carries two columns beyond the v1 minimum, ``samples_file`` and
 ``samples_row_group``, so a reader fetches exactly the row group of the shard it opens
 instead of scanning every fragment footer.
+
+Sample rows carry one optional column beyond the v1 minimum, right after ``checksum``:
+``block_checksums`` list<uint64>, the xxh3-64 of each block of ``BLOCK_BYTES`` (recorded in
+the fragment's schema metadata as ``shardkit.block_bytes``) of the sample's bytes
+``[offset, offset+size)``, null for samples of one block or less. It lets a partial read of
+a huge sample check only the blocks it fetched (:mod:`shardkit.blockhash`). Manifests
+without it (written before it existed) stay readable.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import __version__
+from .blockhash import BLOCK_BYTES, BLOCK_BYTES_KEY
 from .errors import ManifestError, first_line
 from .storage import Store
 from .writer import SampleRows, ShardRecord
@@ -42,6 +50,7 @@ SAMPLE_COLUMNS = pa.schema([
     ("size", pa.int64()),
     ("fields", pa.list_(FIELD_TYPE)),
     ("checksum", pa.uint64()),
+    ("block_checksums", pa.list_(pa.uint64())),
 ])
 
 SHARD_SCHEMA = pa.schema([
@@ -83,7 +92,8 @@ def sample_table(rows: SampleRows) -> pa.Table:
         "size": pa.array(rows.size, pa.int64()),
         "fields": pa.array(rows.fields, pa.list_(FIELD_TYPE)),
         "checksum": pa.array(rows.checksum, pa.uint64()),
-    })
+        "block_checksums": pa.array(rows.blocks, pa.list_(pa.uint64())),
+    }).replace_schema_metadata({BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()})
     meta_names = sorted({k for m in rows.meta for k in m})
     for name in meta_names:
         if name in SAMPLE_COLUMNS.names:

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
+from .blockhash import BLOCK_BYTES_KEY
 from .cachefs import file_name, write_replace
 from .errors import IntegrityError, ManifestError, ShardkitError, first_line
 from .manifest import parquet_file, read_info, read_shards
@@ -78,7 +79,7 @@ class ShardRows:
     Fields are flat arrays, each sample's a slice of them (``fields``).
     """
 
-    COLUMNS = ("key", "offset", "size", "fields", "checksum")
+    COLUMNS = ("key", "offset", "size", "fields", "checksum", "block_checksums")
 
     def __init__(self, table: pa.Table) -> None:
         self.table = table
@@ -101,6 +102,35 @@ class ShardRows:
     def key(self, i: int) -> str:
         keys = self.__dict__.get("keys")
         return keys[i] if keys is not None else self._key_column[i].as_py()
+
+    @functools.cached_property
+    def _blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(bounds, valid, flat digests) of ``block_checksums``: sample i's are entries
+        bounds[i]:bounds[i + 1] when valid[i]; None for a manifest written before the column."""
+        if "block_checksums" not in self.table.column_names:
+            return None
+        col = self.table.column("block_checksums").combine_chunks()
+        if col.values.null_count:
+            raise ManifestError("block_checksums holds null digests")
+        return (col.offsets.to_numpy(), col.is_valid().to_numpy(zero_copy_only=False),
+                col.values.to_numpy())
+
+    @property
+    def block_bytes(self) -> int | None:
+        """The block size of ``block_checksums`` (the fragment's schema metadata), or None."""
+        raw = (self.table.schema.metadata or {}).get(BLOCK_BYTES_KEY)
+        try:
+            return int(raw) if raw is not None and int(raw) > 0 else None
+        except ValueError:
+            return None
+
+    def block_checksums(self, i: int) -> np.ndarray | None:
+        """Sample ``i``'s block checksums (uint64), or None when it has none recorded."""
+        blocks = self._blocks
+        if blocks is None or not blocks[1][i]:
+            return None
+        bounds, _, flat = blocks
+        return flat[int(bounds[i]):int(bounds[i + 1])]
 
     @functools.cached_property
     def _fields(self) -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
@@ -162,8 +192,9 @@ class ShardRows:
         held = self.table.nbytes + self.offset.nbytes + self.size.nbytes + self.checksum.nbytes
         if "keys" in self.__dict__:  # a list slot and a str header per key, and its characters
             held += n * (8 + 49) + self._key_column.nbytes
-        if "_fields" in self.__dict__:
-            held += sum(a.nbytes for a in self._fields if isinstance(a, np.ndarray))
+        for name in ("_fields", "_blocks"):
+            if self.__dict__.get(name) is not None:
+                held += sum(a.nbytes for a in self.__dict__[name] if isinstance(a, np.ndarray))
         return held  # a layout is views of the flat field arrays
 
 
@@ -333,8 +364,8 @@ class Dataset:
                                     f"({first_line(exc)})") from exc
         else:  # a manifest without the row-group columns: filter the fragments
             table = self.samples.filter(pc.equal(self.samples.column("shard"), shard))
-            if columns is not None:
-                table = table.select(list(columns))
+            if columns is not None:  # the optional ones (block_checksums) only where the manifest has them
+                table = table.select([c for c in columns if c in table.column_names])
         if table.num_rows != info.num_samples:
             raise ManifestError(f"{self.url}: shard {shard} lists {info.num_samples} samples, its manifest rows are {table.num_rows}")
         return table

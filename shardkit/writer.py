@@ -4,8 +4,9 @@ Shards stream to their destination through a bounded buffer: bytes gather in par
 ``PART_BYTES`` that one background thread (:class:`Uploader`) writes in order, as a single PUT
 for a shard of one part and a multipart upload otherwise (boto3 on S3), or a temp file renamed
 at the end on local disk. No shard is held whole in memory unless it fits in one part. While
-bytes go out they are hashed: xxh3-64 per sample (the range ``[offset, offset+size)``) and
-xxh3-128 per shard file.
+bytes go out they are hashed: xxh3-64 per sample (the range ``[offset, offset+size)``), per
+1 MiB block of samples larger than that (:mod:`shardkit.blockhash`), and xxh3-128 per shard
+file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import xxhash
 
+from .blockhash import SampleHasher
 from .errors import SourceError
 from .sample import PackSample, StreamedField, case_clash, case_clash_reason, check_field_name
 from .storage import Store
@@ -62,13 +64,14 @@ class SampleRows:
     size: list[int] = field(default_factory=list)
     fields: list[list[dict[str, Any]]] = field(default_factory=list)
     checksum: list[int] = field(default_factory=list)
+    blocks: list[list[int] | None] = field(default_factory=list)  # block_checksums (None: one block or less)
     meta: list[dict[str, Any]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.key)
 
     def extend(self, other: "SampleRows") -> None:
-        for name in ("key", "shard", "offset", "size", "fields", "checksum", "meta"):
+        for name in ("key", "shard", "offset", "size", "fields", "checksum", "blocks", "meta"):
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -319,7 +322,7 @@ class TarShard:
         self._fill = 0
         self.pos = 0
         self.file_hash = xxhash.xxh3_128()
-        self.sample_hash = xxhash.xxh3_64()
+        self.sample_hash = SampleHasher()
         self.rows = SampleRows()
         self.closed = False
 
@@ -406,6 +409,7 @@ class TarShard:
         rows.size.append(self.pos - start)
         rows.fields.append(spans)
         rows.checksum.append(self.sample_hash.intdigest())
+        rows.blocks.append(self.sample_hash.blocks())
         rows.meta.append(sample.meta)
 
     def close(self) -> ShardRecord:

@@ -169,6 +169,28 @@ def test_index_matches_pack(tmp_path, monkeypatch, fragment_rows):
         assert got == {s["__key__"]: s["bin"] for s in samples}
 
 
+def test_index_records_the_block_checksums_pack_records(tmp_path):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from shardkit.blockhash import BLOCK_BYTES
+
+    rng = np.random.default_rng(0)
+    samples = [{"__key__": f"k{i}", "npy": rng.random(n), "cls": i} for i, n in enumerate((10, 400_000, 50))]
+    shardkit.pack(samples, str(tmp_path / "packed"), progress=False)
+    (tmp_path / "idx").mkdir()
+    for p in sorted((tmp_path / "packed" / "shards").iterdir()):
+        (tmp_path / "idx" / p.name).write_bytes(p.read_bytes())
+    index_tars(str(tmp_path / "idx"), progress=False)
+    a, b = shardkit.open_dataset(str(tmp_path / "packed")), shardkit.open_dataset(str(tmp_path / "idx"))
+    blocks = a.samples.column("block_checksums").to_pylist()
+    assert blocks[0] is None and blocks[2] is None and len(blocks[1]) == 4  # 3.2 MB: four 1 MiB blocks
+    assert b.samples.column("block_checksums").to_pylist() == blocks
+    for root in ("packed", "idx"):
+        meta = pq.read_schema(next((tmp_path / root / "manifest").glob("samples-*.parquet"))).metadata
+        assert meta[b"shardkit.block_bytes"] == str(BLOCK_BYTES).encode()
+
+
 def _hostile(kind: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:

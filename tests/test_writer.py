@@ -89,6 +89,29 @@ def test_streamed_field_writes_the_same_bytes_as_bytes(tmp_path: Path) -> None:
     assert dict(members(b, wb.shards[0].path))["x.npy"] == big
 
 
+def test_block_checksums_cover_each_mib_of_big_samples_only(tmp_path: Path) -> None:
+    from shardkit.blockhash import BLOCK_BYTES
+
+    big = os.urandom(2 * BLOCK_BYTES + 12_345)
+    samples = [("small", {"bin": b"x" * 1000}), ("big", {"npy": big, "txt": b"hi"}),
+               ("edge", {"bin": b"e" * (BLOCK_BYTES - 512)})]  # header + body + padding: exactly one block
+    a, b = Store(str(tmp_path / "a")), Store(str(tmp_path / "b"))
+    with ShardWriter(a, shard_bytes=10**8) as wa:
+        for key, fields in samples:
+            wa.write(PackSample(key, dict(fields)))
+    with ShardWriter(b, shard_bytes=10**8) as wb:  # streamed in chunks that straddle the block bounds
+        for key, fields in samples:
+            wb.write(PackSample(key, {n: chunked(v, 65_536 + 7) if len(v) > 10**5 else v for n, v in fields.items()}))
+    assert wa.rows.blocks == wb.rows.blocks and wa.rows.checksum == wb.rows.checksum
+    data = a.read_bytes(wa.shards[0].path)
+    small, got, edge = wa.rows.blocks
+    assert small is None and wa.rows.size[2] == BLOCK_BYTES and edge is None  # its checksum covers it
+    off, size = wa.rows.offset[1], wa.rows.size[1]
+    assert got == [xxhash.xxh3_64_intdigest(data[off + k:min(off + k + BLOCK_BYTES, off + size)])
+                   for k in range(0, size, BLOCK_BYTES)]
+    assert len(got) == 3
+
+
 @pytest.mark.parametrize("actual", [999, 1001])
 def test_streamed_field_with_wrong_length_names_the_member(tmp_path: Path, actual: int) -> None:
     store = Store(str(tmp_path / "ds"))
