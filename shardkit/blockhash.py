@@ -100,10 +100,11 @@ def block_span(sample_offset: int, sample_size: int, start: int, end: int, block
                                                             sample_offset + sample_size)
 
 
-def bad_blocks(data: memoryview | bytes | np.ndarray, first: int, want: np.ndarray, block_bytes: int) -> list[int]:
-    """Indices (within the sample) of the blocks of ``data`` whose xxh3-64 is not ``want``'s;
-    ``data`` starts at block ``first`` and ends at a block boundary or the sample's end."""
-    view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
+def bad_blocks(data: np.ndarray, first: int, want: np.ndarray, block_bytes: int) -> list[int]:
+    """Indices (within the sample) of the blocks of ``data`` (a flat uint8 array) whose xxh3-64
+    is not ``want``'s; ``data`` starts at block ``first`` and ends at a block boundary or the
+    sample's end."""
+    view = data.data
     bad = []
     for k in range(-(-len(view) // block_bytes)):
         got = xxhash.xxh3_64_intdigest(view[k * block_bytes:(k + 1) * block_bytes])

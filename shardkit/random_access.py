@@ -6,14 +6,18 @@ ranged GETs into one preallocated buffer when the sample is larger than ``part_s
 (:mod:`shardkit.ranged`). Whole shards are downloaded only with ``cache_shards=True``.
 
 ``ds.read_array(i, "npy", rows=slice(a, b))`` reads only rows ``a..b`` of a C-ordered ``.npy``
-member: one small ranged read for the header (cached per sample and field), then the rows'
-bytes, straight into the returned array.
+member of a big sample: the 1 MiB block holding the header (parsed once per sample and
+field), then the blocks holding the rows.
 
 Verification: a sample returned by ``ds[i]`` has had its xxh3-64 checked (once per process
-for a cached sample, hashed with ``pread`` so a 300 MB sample never inflates RSS). A partial
-read from storage moves only the rows' bytes and so cannot check the sample checksum: it
-checks sizes and the ``.npy`` header only. A partial read from the cache checks the sample
-checksum on first use, like ``ds[i]`` (cached shards were also verified whole on download).
+for a cached sample, hashed with ``pread`` so a 300 MB sample never inflates RSS). Reads by
+``read_array`` and ``npy_header`` from storage are checked too (:mod:`shardkit.checkedread`):
+a sample larger than one block is read in whole blocks, each checked against the sample's
+``block_checksums``, and a smaller one is read whole and checked against its checksum. The
+exception is a dataset packed before block checksums existed: there a partial read of a
+sample larger than 1 MiB moves only the rows' bytes, unchecked (``shardkit verify --deep``
+checks every byte). A read from the cache checks the sample checksum on first use, like
+``ds[i]``, unless the cached shard file is still the one verified whole on download.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import xxhash
 from .cache import CachedShard, ShardCache
 from .codecs import make_decoder, npy_view
 from .config import checked_cache_dir, parse_size
+from .blockhash import BLOCK_BYTES
+from .checkedread import block_checksums, read_checked, read_sample
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
 from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
@@ -67,6 +73,11 @@ class NpyHeader(NamedTuple):
     shape: tuple[int, ...]
     fortran: bool
     data_offset: int  # shard byte offset of the first array byte
+
+
+# Shard bytes [start, end) of one sample, fetched (checked or not, as the reader decided):
+# a buffer holding them and the shard byte where that buffer begins.
+_Fetch = Callable[[int, int], "tuple[np.ndarray, int]"]
 
 
 class _LRU(OrderedDict):  # type: ignore[type-arg]
@@ -131,9 +142,12 @@ def _hash_file(path: str, start: int, size: int) -> int:
     return h.intdigest()
 
 
-def _bytes_of(arr: np.ndarray) -> np.ndarray:
-    """The bytes of a contiguous (C or F) array as a flat uint8 view, for read_into."""
-    return arr.reshape(-1, order="A").view(np.uint8)
+def _array_at(got: tuple[np.ndarray, int], start: int, hdr: NpyHeader, shape: tuple[int, ...]) -> np.ndarray:
+    """The array of ``shape`` whose bytes begin at shard byte ``start``, as a view of ``got``
+    (a buffer of fetched bytes and the shard byte it begins at)."""
+    buf, base = got
+    nbytes = int(np.prod(shape, dtype=np.int64)) * hdr.dtype.itemsize
+    return buf[start - base:start - base + nbytes].view(hdr.dtype).reshape(shape, order="F" if hdr.fortran else "C")
 
 
 class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
@@ -380,19 +394,36 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                   transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
 
     def _read_sample(self, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
-        start, size = int(rows.offset[pos]), int(rows.size[pos])
-        if start < 0 or start + size > info.bytes:
-            raise ManifestError(f"sample {rows.key(pos)!r} (index {index}): bytes [{start}, {start + size}) lie "
-                                f"beyond {info.path} ({info.bytes} bytes)")
-        buf = np.empty(size, dtype=np.uint8)
-        for attempt in (1, 2):  # a second read tells corruption in transit from corruption at rest
-            self._read(info, start, start + size, buf)
-            if xxhash.xxh3_64_intdigest(buf.data) == int(rows.checksum[pos]):
-                return buf
-            log.warning("sample %r (index %d) in %s failed its checksum (attempt %d)", rows.key(pos), index,
-                        info.path, attempt)
-        raise IntegrityError(f"sample {rows.key(pos)!r} (index {index}) in {info.path} fails its checksum "
-                             "(corrupt bytes on storage)")
+        return read_sample(lambda a, b, out: self._read(info, a, b, out), info, rows, pos, index)
+
+    def _fetcher(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, checked: bool) -> _Fetch:
+        """Reads of sample ``pos``'s bytes for one call: checked (whole blocks, or the whole
+        sample) or exactly the range asked for; a range inside a read already made is served
+        from it (the header's block often holds the rows asked for too)."""
+        done: list[tuple[np.ndarray, int]] = []
+
+        def read(a: int, b: int, out: np.ndarray) -> None:
+            self._read(info, a, b, out)
+
+        def fetch(start: int, end: int) -> tuple[np.ndarray, int]:
+            for buf, base in done:
+                if base <= start and end <= base + len(buf):
+                    return buf, base
+            if checked:
+                got = read_checked(read, info, rows, pos, index, start, end)
+            else:
+                got = (np.empty(end - start, dtype=np.uint8), start)
+                read(start, end, got[0])
+            done.append(got)
+            return got
+
+        return fetch
+
+    def _checked(self, info: ShardInfo, rows: ShardRows, pos: int, whole: bool) -> bool:
+        """Whether reads of sample ``pos`` are checked: always, but for part of a sample larger
+        than one block in a manifest without block checksums (written before they existed),
+        where checking would mean reading the whole sample."""
+        return whole or int(rows.size[pos]) <= BLOCK_BYTES or block_checksums(info, rows, pos) is not None
 
     # ---- partial reads of .npy members ----------------------------------------------------
 
@@ -404,16 +435,19 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return int(offs[j]), int(sizes[j])
 
     def npy_header(self, index: int, field: str = "npy") -> NpyHeader:
-        """dtype, shape, order and data offset of a ``.npy`` member (one small ranged read, cached)."""
+        """dtype, shape, order and data offset of a ``.npy`` member (one small ranged read, cached;
+        checked as :meth:`read_array` checks a partial read)."""
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
         info, rows = self.ds.shard_list[shard], self._shard_rows(shard)
         offset, size = self._field(rows, pos, field, i)
-        return self._header(info, rows, pos, i, field, offset, size, None)
+        checked = self._checked(info, rows, pos, whole=False)
+        return self._header(info, rows, pos, i, field, offset, size, self._fetcher(info, rows, pos, i, checked),
+                            checked)
 
     def _header(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, field: str, offset: int, size: int,
-                mapped: memoryview | None) -> NpyHeader:
-        key = (info.shard, pos, field)
+                fetch: _Fetch, checked: bool) -> NpyHeader:
+        key = (info.shard, pos, field, checked)  # a checked read never uses a header parsed from unchecked bytes
         hit = self._headers.get_fresh(key)
         if hit is not None:
             return hit  # type: ignore[no-any-return]
@@ -421,11 +455,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
         def head(n: int) -> bytes:
             n = min(n, size)
-            if mapped is not None:
-                return bytes(mapped[offset:offset + n])
-            buf = bytearray(n)
-            self._read(info, offset, offset + n, buf)
-            return bytes(buf)
+            buf, base = fetch(offset, offset + n)
+            return bytes(buf[offset - base:offset - base + n])
 
         raw = head(_HEAD_READ)
         if len(raw) >= 12 and raw[:6] == b"\x93NUMPY":
@@ -461,11 +492,13 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         Returns:
             The array in its stored dtype (a big-endian member stays big-endian, as with
             ``np.load``; ``decode="numpy"`` converts to native order for torch). From the
-            cache: a read-only zero-copy view of the mapped shard. From storage: a
-            fresh array holding only the requested rows. A C-ordered member with step 1 moves
-            exactly the rows' bytes (plus the cached header read); a step other than 1 moves
-            the rows covering the slice, and a Fortran-ordered member moves the whole array
-            (its rows are not contiguous), then slices.
+            cache: a read-only zero-copy view of the mapped shard. From storage: an array of
+            its own, every byte checked against the manifest (see the module docstring for
+            the one exception, partial reads in datasets packed before block checksums).
+            A C-ordered member moves the rows covering the slice rounded out to whole 1 MiB
+            blocks (at most 2 MiB more than the rows, plus the header's block on the first
+            read of a sample); a sample of 1 MiB or less, and a Fortran-ordered member (its
+            rows are not contiguous), move whole, then are sliced.
         """
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
@@ -476,22 +509,26 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             self._verify_cached(cached, info, srows, pos, i)
             arr = npy_view(cached.buffer()[offset:offset + size], native=False)  # the stored dtype, as from storage
             return arr if rows is None else arr[self._rows_sel(arr.shape, rows, srows.key(pos), i, field)]
-        hdr = self._header(info, srows, pos, i, field, offset, size, None)
-        if rows is None or hdr.fortran:
-            # Fortran order: a row is strided through the whole array, so the whole array is read.
-            whole = np.empty(hdr.shape, dtype=hdr.dtype, order="F" if hdr.fortran else "C")
-            self._read(info, hdr.data_offset, offset + size, _bytes_of(whole))
-            if rows is None:
-                return whole
-            return np.ascontiguousarray(whole[self._rows_sel(hdr.shape, rows, srows.key(pos), i, field)])
+        checked = self._checked(info, srows, pos, whole=rows is None)
+        fetch = self._fetcher(info, srows, pos, i, checked)
+        hdr = self._header(info, srows, pos, i, field, offset, size, fetch, checked)
+        if rows is None:
+            return _array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
         sel = self._rows_sel(hdr.shape, rows, srows.key(pos), i, field)
+        if hdr.fortran:
+            # Fortran order: a row is strided through the whole array, so the whole array is read.
+            whole = _array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
+            return np.ascontiguousarray(whole[sel])
         picked = range(sel, sel + 1) if isinstance(sel, int) else range(*sel.indices(hdr.shape[0]))
         if not picked:
             return np.empty((0,) + hdr.shape[1:], dtype=hdr.dtype)
         lo, hi = min(picked), max(picked) + 1  # the covering rows; exactly the rows when step is 1
         row_bytes = int(np.prod(hdr.shape[1:], dtype=np.int64)) * hdr.dtype.itemsize
-        block = np.empty((hi - lo,) + hdr.shape[1:], dtype=hdr.dtype)
-        self._read(info, hdr.data_offset + lo * row_bytes, hdr.data_offset + hi * row_bytes, _bytes_of(block))
+        start = hdr.data_offset + lo * row_bytes
+        got = fetch(start, start + (hi - lo) * row_bytes)
+        block = _array_at(got, start, hdr, (hi - lo,) + hdr.shape[1:])
+        if 2 * block.nbytes < len(got[0]):
+            block = block.copy()  # a few rows must not keep the blocks read around them alive
         if isinstance(sel, int):
             return block[0]
         if picked.step == 1:

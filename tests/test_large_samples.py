@@ -1,5 +1,5 @@
 """A ~300 MB array sample (packed from HDF5) on SeaweedFS: partial row reads move only the
-rows' bytes, parallel whole-sample reads are exact, and reading through the cache memmap
+rows' bytes and the rest of the 1 MiB blocks they lie in (each block checked), parallel whole-sample reads are exact, and reading through the cache memmap
 keeps peak RSS far below the sample size (measured in a subprocess)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 SHAPE = (2400, 256, 128)  # float32: 314,572,800 bytes
 ROW_BYTES = 256 * 128 * 4
-SLACK = 128 * 1024
+BLOCK = 2**20  # rows are read in whole blocks of the sample, to check them against its block checksums
 RSS_BOUND = 64 * 2**20  # peak RSS rise allowed for reading through the cache memmap
 
 
@@ -72,10 +72,10 @@ def test_row_slice_moves_about_the_slice(big: Any) -> None:
     got = ds.read_array(i, rows=slice(1000, 1300))  # ~39 MB: three parallel parts
     moved = ds.stats()["bytes"] - before
     np.testing.assert_array_equal(got, _rows(1000, 1300))
-    assert 300 * ROW_BYTES <= moved <= 300 * ROW_BYTES + SLACK, moved
+    assert 300 * ROW_BYTES <= moved <= 300 * ROW_BYTES + 2 * BLOCK, moved
     before = ds.stats()["bytes"]
-    one = ds.read_array(i, rows=7)  # header cached: exactly one row moves
-    assert ds.stats()["bytes"] - before == ROW_BYTES
+    one = ds.read_array(i, rows=7)  # header cached: the one or two blocks holding the row move
+    assert ROW_BYTES < ds.stats()["bytes"] - before <= 2 * BLOCK
     np.testing.assert_array_equal(one, _rows(7, 8)[0])
     strided = ds.read_array(i, rows=slice(10, 20, 3))
     np.testing.assert_array_equal(strided, _rows(10, 20)[::3])

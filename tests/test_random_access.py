@@ -220,6 +220,83 @@ def test_corrupt_bytes_on_storage_raise_integrity_error(s3_server: Any, s3_bucke
         fresh[3]
     other = next(i for i in range(len(items)) if fresh.locate(i)[0] != shard)
     assert fresh[other]["__key__"] == items[other]["__key__"]
+    for rows in (None, slice(0, 1), 0):  # a small sample: read whole for its checksum, even for one row
+        with pytest.raises(IntegrityError, match=f"{items[3]['__key__']}.*index 3.*checksum"):
+            fresh.read_array(3, "npy", rows=rows)
+    np.testing.assert_array_equal(fresh.read_array(other, "npy"), items[other]["npy"])
+
+
+BIG_ROWS, ROW = 96, 32 * 1024  # a 3 MiB float32 array: three blocks of block checksums
+TWO_ROWS = slice(60, 62)       # inside block 1, away from the header's block 0
+
+
+def _big_items() -> list[dict[str, Any]]:
+    big = np.arange(BIG_ROWS * ROW // 4, dtype=np.float32).reshape(BIG_ROWS, -1)
+    return [{"__key__": "small", "npy": np.arange(10, dtype=np.int16)}, {"__key__": "big", "npy": big},
+            {"__key__": "fort", "npy": np.asfortranarray(big[:40])}]
+
+
+def _row_at(ds: Any, index: int, row: int) -> int:
+    """Shard byte offset of ``row`` of sample ``index``'s npy member."""
+    return ds.npy_header(index).data_offset + row * ROW
+
+
+def test_partial_reads_of_big_samples_check_only_the_blocks_they_fetch(s3_server: Any, s3_bucket: str) -> None:
+    from shardkit.blockhash import BLOCK_BYTES
+
+    items = _big_items()
+    url = f"{s3_bucket}/blocks"
+    opts = s3_server.storage_options()
+    shardkit.pack(iter(items), url, storage_options=opts, progress=False)
+    ds = shardkit.ShardDataset(url, storage_options=opts)
+    got = ds.read_array(1, "npy", rows=TWO_ROWS)
+    np.testing.assert_array_equal(got, items[1]["npy"][TWO_ROWS])
+    moved = ds.stats()["bytes"]  # the header's block, and the block holding the two rows
+    assert 2 * ROW < moved <= 2 * BLOCK_BYTES, moved
+    shard_path = ds.ds.shard_list[0].path
+    _flip_byte(s3_server, url, shard_path, _row_at(ds, 1, 90))  # block 2 of "big"
+    _flip_byte(s3_server, url, shard_path, _row_at(ds, 2, 30) + 5)  # in the Fortran-ordered "fort"
+    fresh = shardkit.ShardDataset(url, storage_options=opts)
+    np.testing.assert_array_equal(fresh.read_array(1, "npy", rows=TWO_ROWS), items[1]["npy"][TWO_ROWS])
+    for rows in (None, slice(89, 91), 90, slice(0, None, 7)):
+        with pytest.raises(IntegrityError, match=r"'big' \(index 1\) in shards/.*: block 2 .*fails its checksum"):
+            fresh.read_array(1, "npy", rows=rows)
+    with pytest.raises(IntegrityError, match=r"'fort' \(index 2\).*block"):
+        fresh.read_array(2, "npy", rows=slice(0, 2))  # Fortran order: every block of the array is read
+    np.testing.assert_array_equal(fresh.read_array(0, "npy", rows=slice(2, 5)), items[0]["npy"][2:5])
+
+
+def test_manifests_without_block_checksums_still_read_and_check_whole_arrays(s3_server: Any, s3_bucket: str) -> None:
+    """A dataset packed before block checksums existed: whole arrays and small samples are
+    still checked (read whole); a partial read of a big sample moves only its rows, unchecked."""
+    import pyarrow.parquet as pq
+
+    items = _big_items()
+    url = f"{s3_bucket}/old"
+    opts = s3_server.storage_options()
+    shardkit.pack(iter(items), url, storage_options=opts, progress=False)
+    fs = s3_server.filesystem()
+    for frag in fs.glob(url[len("s3://"):] + "/manifest/samples-*.parquet"):
+        with fs.open(frag, "rb") as f:
+            table = pq.read_table(f)
+        table = table.drop_columns(["block_checksums"]).replace_schema_metadata(None)
+        buf = io.BytesIO()
+        pq.write_table(table, buf)
+        fs.pipe_file(frag, buf.getvalue())
+    ds = shardkit.ShardDataset(url, storage_options=opts)
+    assert "block_checksums" not in ds.ds.samples.column_names
+    np.testing.assert_array_equal(ds.read_array(1, "npy", rows=TWO_ROWS), items[1]["npy"][TWO_ROWS])
+    _flip_byte(s3_server, url, ds.ds.shard_list[0].path, _row_at(ds, 1, 90))
+    fresh = shardkit.ShardDataset(url, storage_options=opts)
+    np.testing.assert_array_equal(fresh.read_array(1, "npy", rows=TWO_ROWS), items[1]["npy"][TWO_ROWS])
+    before = fresh.stats()["bytes"]
+    fresh.read_array(1, "npy", rows=90)  # unchecked, as documented: exactly the row's bytes move
+    assert fresh.stats()["bytes"] - before == ROW
+    with pytest.raises(IntegrityError, match=r"'big' \(index 1\).*fails its checksum"):
+        fresh.read_array(1, "npy")
+    with pytest.raises(IntegrityError, match=r"'big' \(index 1\).*fails its checksum"):
+        fresh[1]
+    np.testing.assert_array_equal(fresh.read_array(0, "npy", rows=slice(2, 5)), items[0]["npy"][2:5])
 
 
 # --------------------------------------------------------------------------- ranged.read_into
