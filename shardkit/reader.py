@@ -169,6 +169,11 @@ class ShardRows:
             sizes.append(s.tolist())
         return [keys[p] for p in idx], names, offs, sizes
 
+    @property
+    def field_names(self) -> set[str]:
+        """Every field name that some sample of the shard has."""
+        return set(self._fields[1])
+
     @functools.cached_property
     def layout(self) -> FieldLayout | None:
         """The shard's :class:`FieldLayout`, or None when its samples' fields differ."""
@@ -201,13 +206,17 @@ class ShardRows:
 class Dataset:
     """A committed dataset: its ``dataset.json``, shard table, and per-shard sample rows."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, store: Store | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, store: Store | None = None,
+                 strict: bool = True) -> None:
+        """``strict=False`` opens a dataset whose dataset.json disagrees with shards.parquet
+        (for :meth:`verify`, which reports it); readers refuse one."""
         self.store = store or Store(url, storage_options)
         self.url = self.store.url
         self.info = read_info(self.store)
         self.shards: pa.Table = read_shards(self.store)
-        if self.shards.num_rows != self.info["num_shards"]:
-            raise ManifestError(f"{self.url}: dataset.json says {self.info['num_shards']} shards, shards.parquet has {self.shards.num_rows}")
+        faults = count_faults(self.info, self.shards)
+        if strict and faults:
+            raise ManifestError(f"{self.url}: {faults[0]} (shardkit verify lists every fault)")
         self._shard_list: list[ShardInfo] | None = None
         self._first_samples: np.ndarray | None = None
         self._fragments: OrderedDict[str, tuple[pq.ParquetFile, int]] = OrderedDict()
@@ -237,7 +246,7 @@ class Dataset:
 
     @property
     def num_samples(self) -> int:
-        return int(self.info["num_samples"])
+        return int(self.info["num_samples"])  # equal to the shards' sum in a dataset opened strictly
 
     @property
     def num_shards(self) -> int:
@@ -434,25 +443,45 @@ class Dataset:
                 :data:`VERIFY_NAMED` of them; ``.failures`` lists them all, one line each).
         """
         checked = 0
-        failures: list[str] = []
+        manifest = manifest_faults(self.info, self.shards) + self._missing_samples_files()
+        failed: list[str] = []
+        fields: set[str] = set()
         for info in self.shard_list:
             try:
-                self._verify_shard(info, deep)
+                fields |= self._verify_shard(info, deep)
             except IntegrityError as exc:
-                failures.append(str(exc))
+                failed.append(str(exc))
+            except ShardkitError as exc:  # its manifest rows are unreadable or disagree with shards.parquet
+                failed.append(f"shard {info.shard} ({info.path}): {exc}")
             checked += 1
             if progress:
                 progress(info.bytes)
+        if deep and not failed and fields != set(self.fields):
+            manifest.append(f"dataset.json lists fields {sorted(self.fields)}, the sample rows have {sorted(fields)}")
+        failures = manifest + failed
         if failures:
             named = "; ".join(failures[:VERIFY_NAMED])
             more = f"; and {len(failures) - VERIFY_NAMED} more" if len(failures) > VERIFY_NAMED else ""
-            err = IntegrityError(f"{len(failures)} of {checked} shards fail: {named}{more}" if len(failures) > 1
-                                 else failures[0])
+            counts = ([f"{len(manifest)} manifest fault{'s' if len(manifest) > 1 else ''}"] if manifest else []) + \
+                ([f"{len(failed)} of {checked} shards fail"] if failed else [])
+            err = IntegrityError(f"{' and '.join(counts)}: {named}{more}" if len(failures) > 1 else failures[0])
             err.failures = failures  # type: ignore[attr-defined]
             raise err
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
 
-    def _verify_shard(self, info: ShardInfo, deep: bool) -> None:
+    def _missing_samples_files(self) -> list[str]:
+        """One line per samples file that shards.parquet names (or, in a manifest without
+        ``samples_file``, the samples files at all) and storage lacks."""
+        named = sorted({s.samples_file for s in self.shard_list if s.num_samples and s.samples_file})
+        if not named and any(s.num_samples for s in self.shard_list):
+            if not self.store.glob("manifest/samples-*.parquet"):
+                return [f"{self.store.url_of('manifest')} holds no samples-*.parquet"]
+            return []
+        return [f"{self.store.url_of(name)} is missing (shards.parquet names it)" for name in named
+                if not self.store.exists(name)]
+
+    def _verify_shard(self, info: ShardInfo, deep: bool) -> set[str]:
+        """Check one shard; return the field names of its samples (deep only)."""
         # Deep: the bytes read give the size (no HEAD besides); the size is checked first, so a
         # truncated shard is named as such, not by its first sample past the end.
         data = b""
@@ -464,12 +493,15 @@ class Dataset:
             raise IntegrityError(f"shard {info.shard} ({info.path}) is missing or unreadable: {exc}") from exc
         if size != info.bytes:
             raise IntegrityError(f"shard {info.shard} ({info.path}) is {size} bytes, manifest says {info.bytes}")
-        if deep:
-            rows = self.shard_rows(info.shard)
-            view = memoryview(data)
-            for i in range(len(rows)):
-                verify_sample(view, 0, rows, i, info.path)
-            check_shard_bytes(data, info)
+        if not deep:
+            return set()
+        rows = self.shard_rows(info.shard)  # ManifestError unless it has num_samples rows
+        view = memoryview(data)
+        for i in range(len(rows)):
+            verify_sample(view, 0, rows, i, info.path)
+            verify_blocks(view, info, rows, i)
+        check_shard_bytes(data, info)
+        return rows.field_names
 
 
 def manifest_copies_dir(namespace: str) -> str | None:
@@ -492,6 +524,33 @@ def manifest_copies_dir(namespace: str) -> str | None:
     return os.path.join(root, namespace)
 
 
+def count_faults(info: dict[str, Any], shards: pa.Table) -> list[str]:
+    """Where dataset.json's counts and shards.parquet disagree, one line each: a reader would
+    otherwise index samples that are not there."""
+    faults = []
+    if shards.num_rows != info.get("num_shards"):
+        faults.append(f"dataset.json says {info.get('num_shards')} shards, shards.parquet has {shards.num_rows}")
+    sizes = shards.column("num_samples").to_numpy()
+    if int(sizes.sum()) != info.get("num_samples"):
+        faults.append(f"dataset.json says {info.get('num_samples')} samples, shards.parquet's shards hold "
+                      f"{int(sizes.sum())}")
+    first = shards.column("first_sample").to_numpy()
+    wrong = np.flatnonzero(first != np.cumsum(sizes) - sizes)  # each shard's first: the samples before it
+    if len(wrong):
+        faults.append(f"shards.parquet: first_sample of shard {int(wrong[0])} is {int(first[wrong[0]])}, the "
+                      "shards before it hold a different number of samples")
+    return faults
+
+
+def manifest_faults(info: dict[str, Any], shards: pa.Table) -> list[str]:
+    """:func:`count_faults`, and what else of dataset.json shards.parquet contradicts."""
+    faults = count_faults(info, shards)
+    total = int(pc.sum(shards.column("bytes")).as_py() or 0)
+    if total != info.get("total_bytes"):
+        faults.append(f"dataset.json says {info.get('total_bytes')} total_bytes, shards.parquet's shards hold {total}")
+    return faults
+
+
 def check_shard_bytes(data: bytes | memoryview, info: ShardInfo) -> None:
     if len(data) != info.bytes:
         raise IntegrityError(f"shard {info.shard} ({info.path}) is {len(data)} bytes, manifest says {info.bytes}")
@@ -508,6 +567,20 @@ def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_pa
     got = xxhash.xxh3_64_intdigest(view[start:end])
     if got != int(rows.checksum[i]):
         raise IntegrityError(f"sample {rows.key(i)!r} in {shard_path} fails its checksum (corrupt bytes)")
+
+
+def verify_blocks(view: memoryview, info: ShardInfo, rows: ShardRows, i: int) -> None:
+    """Check sample ``i``'s block checksums (if it has them) against the shard bytes ``view``."""
+    from .blockhash import bad_blocks
+    from .checkedread import block_checksums  # it reads with this module's types
+
+    blocks = block_checksums(info, rows, i)
+    if blocks is None:
+        return
+    start = int(rows.offset[i])
+    bad = bad_blocks(np.frombuffer(view, np.uint8, int(rows.size[i]), start), 0, blocks[0], blocks[1])
+    if bad:
+        raise IntegrityError(f"sample {rows.key(i)!r} in {info.path}: block {bad[0]} fails its block checksum")
 
 
 def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, shard_path: str) -> None:

@@ -290,6 +290,85 @@ def test_verify_names_every_damaged_shard_in_one_run(source: Path, tmp_path: Pat
     assert r.returncode == 1 and ds.shard_list[2].path in one_line(r.stderr) and "2 of" not in r.stderr
 
 
+def _edit_json(path: Path, **changes: Any) -> None:
+    info = json.loads(path.read_text())
+    info.update(changes)
+    path.write_text(json.dumps(info))
+
+
+def test_verify_checks_dataset_json_against_the_manifest_and_readers_refuse_a_count_mismatch(
+        source: Path, tmp_path: Path) -> None:
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(source), url, shard_bytes="8KB", progress=False)
+    meta = Path(url) / "dataset.json"
+    good = meta.read_text()
+    _edit_json(meta, num_samples=13)
+    r = cli("verify", url)
+    assert r.returncode == 1 and "dataset.json says 13 samples" in one_line(r.stderr) and "hold 12" in r.stderr
+    for reader in (shardkit.open_dataset, shardkit.StreamingDataset, shardkit.ShardDataset):
+        with pytest.raises(shardkit.errors.ManifestError, match=f"{url}: dataset.json says 13 samples"):
+            reader(url)
+    _edit_json(meta, num_samples=12, total_bytes=5)
+    r = cli("verify", url, "--json")
+    assert r.returncode == 1 and "dataset.json says 5 total_bytes" in one_line(r.stderr)
+    assert json.loads(r.stdout)["ok"] is False
+    assert len(shardkit.StreamingDataset(url)) == 12  # a wrong total_bytes does not stop readers
+    meta.write_text(good)
+    _edit_json(meta, fields=["bin", "jpg", "json"])
+    assert cli("verify", url).returncode == 0  # fields are compared with the sample rows by --deep
+    r = cli("verify", url, "--deep")
+    assert r.returncode == 1 and "fields ['bin', 'jpg', 'json'], the sample rows have ['bin', 'json']" in \
+        one_line(r.stderr)
+
+
+def test_verify_finds_missing_and_short_sample_manifests(source: Path, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(source), url, shard_bytes="8KB", progress=False)
+    ds = shardkit.open_dataset(url)
+    frag = Path(url) / ds.shard_list[0].samples_file
+    # One row of shard 0 gone (row groups kept one per shard): only --deep reads sample rows.
+    pf = pq.ParquetFile(frag)
+    with pq.ParquetWriter(tmp_path / "short.parquet", pf.schema_arrow) as w:
+        for g in range(pf.num_row_groups):
+            rows = pf.read_row_group(g)
+            w.write_table(rows.slice(0, rows.num_rows - 1) if g == 0 else rows)
+    saved = frag.read_bytes()
+    frag.write_bytes((tmp_path / "short.parquet").read_bytes())
+    assert cli("verify", url).returncode == 0
+    r = cli("verify", url, "--deep", "--json")
+    assert r.returncode == 1
+    assert f"shard 0 ({ds.shard_list[0].path})" in one_line(r.stderr) and "manifest rows are" in r.stderr
+    assert json.loads(r.stdout)["ok"] is False
+    frag.write_bytes(saved)
+    frag.unlink()
+    for deep in ((), ("--deep",)):  # the plain check sees it too; --deep --json still prints JSON
+        r = cli("verify", url, "--json", *deep)
+        assert r.returncode == 1 and f"{frag} is missing" in one_line(r.stderr), r.stderr
+        out = json.loads(r.stdout)
+        assert out["ok"] is False and any(f"{frag} is missing" in f for f in out["failures"])
+
+
+def test_verify_deep_checks_block_checksums(tmp_path: Path) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    url = str(tmp_path / "ds")
+    shardkit.pack([{"__key__": "big", "npy": np.zeros(400_000)}, {"__key__": "small", "cls": 1}], url, progress=False)
+    frag = next((Path(url) / "manifest").glob("samples-*.parquet"))
+    table = pq.read_table(frag)
+    blocks = table.column("block_checksums").to_pylist()
+    assert blocks[0] is not None and len(blocks[0]) == 4 and blocks[1] is None
+    blocks[0][2] ^= 1  # a wrong block checksum for bytes that are right
+    i = table.column_names.index("block_checksums")
+    pq.write_table(table.set_column(i, "block_checksums", pa.array(blocks, pa.list_(pa.uint64()))), frag)
+    assert cli("verify", url).returncode == 0
+    r = cli("verify", url, "--deep")
+    assert r.returncode == 1 and "sample 'big'" in one_line(r.stderr) and "block 2 fails its block checksum" in r.stderr
+
+
 def test_unexpected_errors_are_one_line_without_a_traceback(source: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
