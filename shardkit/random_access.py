@@ -35,11 +35,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
 
+from .blockhash import BLOCK_BYTES
 from .cache import CachedShard, ShardCache
+from .checkedread import block_checksums, read_checked, read_sample
 from .codecs import make_decoder, npy_view
 from .config import checked_cache_dir, parse_size
-from .blockhash import BLOCK_BYTES
-from .checkedread import block_checksums, read_checked, read_sample
 from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
 from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
@@ -435,8 +435,10 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return int(offs[j]), int(sizes[j])
 
     def npy_header(self, index: int, field: str = "npy") -> NpyHeader:
-        """dtype, shape, order and data offset of a ``.npy`` member (one small ranged read, cached;
-        checked as :meth:`read_array` checks a partial read)."""
+        """dtype, shape, order and data offset of a ``.npy`` member (cached per process), read
+        and checked as :meth:`read_array` reads a few rows: the block holding the header, or
+        the whole of a sample of 1 MiB or less (4 KB, unchecked, for a big sample of a dataset
+        packed before block checksums)."""
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
         info, rows = self.ds.shard_list[shard], self._shard_rows(shard)
