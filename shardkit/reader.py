@@ -617,6 +617,9 @@ def sample_from(view: memoryview, base: int, key: str, index: int, shard_path: s
     return sample
 
 
-def open_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Dataset:
-    """Open a committed dataset for manifest access (DatasetNotFoundError if uncommitted)."""
-    return Dataset(url, storage_options)
+def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, strict: bool = True) -> Dataset:
+    """Open a committed dataset for manifest access (DatasetNotFoundError if uncommitted).
+
+    ManifestError if dataset.json's counts disagree with shards.parquet, unless ``strict`` is
+    False (to run :meth:`Dataset.verify`, which lists that among its faults)."""
+    return Dataset(url, storage_options, strict=strict)

@@ -308,6 +308,8 @@ def test_verify_checks_dataset_json_against_the_manifest_and_readers_refuse_a_co
     for reader in (shardkit.open_dataset, shardkit.StreamingDataset, shardkit.ShardDataset):
         with pytest.raises(shardkit.errors.ManifestError, match=f"{url}: dataset.json says 13 samples"):
             reader(url)
+    with pytest.raises(shardkit.errors.IntegrityError, match="dataset.json says 13 samples"):
+        shardkit.open_dataset(url, strict=False).verify()
     _edit_json(meta, num_samples=12, total_bytes=5)
     r = cli("verify", url, "--json")
     assert r.returncode == 1 and "dataset.json says 5 total_bytes" in one_line(r.stderr)
