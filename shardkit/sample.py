@@ -46,7 +46,7 @@ class PackSample:
 
 # The manifest's own sample columns (manifest.SAMPLE_COLUMNS, which a test keeps equal to
 # this): user metadata may not take their names. Sources check at listing, before any write.
-MANIFEST_COLUMNS = frozenset({"key", "shard", "offset", "size", "fields", "checksum"})
+MANIFEST_COLUMNS = frozenset({"key", "shard", "offset", "size", "fields", "checksum", "block_checksums"})
 
 MAX_KEY = 160
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")

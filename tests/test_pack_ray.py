@@ -17,8 +17,6 @@ from shardkit.sampledata import make_image_folder
 
 pytestmark = [pytest.mark.s3, pytest.mark.ray]
 
-MANIFEST_COLUMNS = ["key", "shard", "offset", "size", "fields", "checksum"]
-
 
 def image_folder(root: Path, count: int = 60, side: int = 160, seed: int = 0) -> Path:
     """``count`` real JPEGs (crops of bundled photos) in an ImageFolder; >= 3 classes."""
