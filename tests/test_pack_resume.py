@@ -238,8 +238,11 @@ def test_failed_shard_upload_writes_no_fragment_and_resume_redoes_only_the_rest(
                                                                              monkeypatch):
     """Uploads run behind the framing thread, but a task's fragment is written only after its
     shards: a failed PUT leaves earlier tasks complete (reused by the rerun) and no later one."""
+    from shardkit.config import DEFAULT_TASK_BYTES
     from shardkit.errors import StoragePermissionError
     from shardkit.manifest import fragment_name
+    from shardkit.plan import make_plan
+    from shardkit.sources import resolve_source
     from shardkit.storage import Store
 
     src = image_folder(tmp_path / "imgs", count=40, side=64)
@@ -264,13 +267,17 @@ def test_failed_shard_upload_writes_no_fragment_and_resume_redoes_only_the_rest(
             shardkit.pack(str(src), dest, shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
                           progress=False)
     store = Store(dest, opts)
-    done = [t for t in range(12) if store.exists(fragment_name(t))]
-    assert done == [0, 1, 2, 3], done  # one shard per task here: tasks 0-3 finished, nothing after
+    plan = make_plan(resolve_source(str(src), labels_from_dirs=True).list_items(), shard_bytes=shard,
+                     shard_samples=None, task_bytes=DEFAULT_TASK_BYTES, options={})
+    failing = next(t.task for t in plan.tasks if any(s.shard == 4 for s in t.shards))
+    assert failing >= 2, plan.tasks  # earlier tasks to reuse
+    done = [t for t in range(len(plan.tasks)) if store.exists(fragment_name(t))]
+    assert done == list(range(failing)), done  # the tasks before shard 4's finished, nothing after
     assert not store.exists("shards/shard-000004.tar") and not store.exists("dataset.json")
 
     info = shardkit.pack(str(src), dest, shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
                          progress=False)
-    assert info["reused_tasks"] == 4
+    assert info["reused_tasks"] == failing
     shardkit.pack(str(src), f"{s3_bucket}/clean", shard_bytes=shard, labels_from_dirs=True, storage_options=opts,
                   progress=False)
     a, _ = compare_datasets(dest, f"{s3_bucket}/clean", opts)
