@@ -41,7 +41,7 @@ from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, do
 from .ring import BatchRing, RingBatch
 from .segments import SegmentPlanner
 from .shardio import Run, ShardSource, cache_namespace
-from .topology import Topology, current
+from .topology import FromParent, Topology, current
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             raise ConfigError("zero_copy=True: needs batch_size, cache_dir and decode=None "
                               "(batches of views into the node cache's files)")
         self.rank, self.world_size = rank, world_size
+        self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
         make_decoder(decode)  # validate now, in the main process
         self._control = tempfile.mkdtemp(prefix="shardkit-stream-")
         weakref.finalize(self, _remove_dir, self._control, os.getpid())
@@ -190,7 +191,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         is right when iterating without DataLoader workers; with workers, pass the count
         (steps x batch size) or use :class:`shardkit.StreamingDataLoader`, which tracks it.
         """
-        topo = current(self.rank, self.world_size)
+        topo = current(self.rank, self.world_size, self._parent)
         return {
             "version": STATE_VERSION, "dataset": self.url, "created": self.ds.info.get("created"),
             "num_samples": self.ds.num_samples, "epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
@@ -246,7 +247,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def samples_per_rank(self) -> int:
         """Samples this rank yields this epoch (ceil(R/W), or floor with ``drop_last``)."""
-        topo = current(self.rank, self.world_size)
+        topo = current(self.rank, self.world_size, self._parent)
         return samples_per_rank(self._remaining_now(), topo.world_size, self.drop_last)
 
     def __len__(self) -> int:
@@ -296,7 +297,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         return int(self.cache_limit // (biggest * procs) - 1)
 
     def __iter__(self) -> Iterator[Any]:
-        topo = current(self.rank, self.world_size)
+        topo = current(self.rank, self.world_size, self._parent)
         epoch, remaining = self._read_control()
         order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                            block_shards=self.shuffle_block)

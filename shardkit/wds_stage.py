@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .partition import DEFAULT_BLOCK_SHARDS, EpochOrder
 from .reader import Dataset
 from .shardio import ShardSource, cache_namespace, shard_ref
-from .topology import current
+from .topology import FromParent, current
 
 try:
     from torch.utils.data import IterableDataset as _IterableBase
@@ -61,13 +61,14 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed, self.epoch = bool(shuffle), int(seed), int(epoch)
         self.prefetch, self.rank, self.world_size = prefetch, rank, world_size
+        self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
     def shards(self) -> list[int]:
         """Shard ids this rank/worker reads this epoch, in order."""
-        topo = current(self.rank, self.world_size)
+        topo = current(self.rank, self.world_size, self._parent)
         order = EpochOrder(self.ds.shard_sizes(), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
                            block_shards=DEFAULT_BLOCK_SHARDS)
         readers = topo.world_size * topo.num_workers

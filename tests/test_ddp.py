@@ -168,3 +168,31 @@ def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str
     downloads = sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in res)
     evictions = sum(r["stats"]["evictions"] for r in res)
     assert evictions > 0 and ds.num_shards <= downloads <= ds.num_shards + evictions
+
+
+def test_spawned_ranks_with_spawned_workers_read_disjoint_shares(tmp_path: Path) -> None:
+    # mp.spawn ranks with init_process_group(rank=, world_size=) and no RANK/WORLD_SIZE env:
+    # their spawn/forkserver DataLoader workers have no process group, and read the whole
+    # dataset each unless they learn the rank from the main process.
+    rng = np.random.default_rng(2)
+    data = [{"__key__": f"s{i:04d}", "bin": rng.bytes(int(rng.integers(100, 400)))} for i in range(96)]
+    url = str(tmp_path / "ds")
+    shardkit.pack(iter(data), url, shard_bytes="4KB", progress=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    conf = {"url": url, "cache_dir": str(tmp_path / "cache"), "out": str(out), "port": _free_port()}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO)
+    subprocess.run([sys.executable, str(WORKER.with_name("ddp_spawn.py")), json.dumps(conf)], env=env,
+                   timeout=240, check=True)
+    res = [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
+    keys = {d["__key__"] for d in data}
+    for reader in ("loader", "plain"):
+        got = [r[reader]["keys"] for r in res]
+        assert not set(got[0]) & set(got[1]), reader
+        assert Counter(got[0] + got[1]) == Counter(keys), reader  # 96 = 2 x 48: no padding
+        assert all(len(g) == 48 for g in got), reader
+    assert [len(r["loader"]["keys"]) // 8 for r in res] == [r["loader"]["len"] for r in res]
+    wds_keys = [r["wds"]["keys"] for r in res]
+    assert not set(wds_keys[0]) & set(wds_keys[1])
+    assert Counter(wds_keys[0] + wds_keys[1]) == Counter(keys)

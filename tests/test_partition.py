@@ -21,6 +21,7 @@ from shardkit.partition import (
     worker_ranges,
     worker_schedule,
 )
+from shardkit.topology import FromParent, Topology, current
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -387,3 +388,25 @@ def test_twenty_million_samples_without_materialising_them() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 50 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_topology_in_a_worker_comes_from_the_process_that_pickled_the_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import torch.utils.data
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    carried = pickle.loads(pickle.dumps(FromParent()))  # what a spawned worker unpickles
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert current(parent=carried) == Topology(0, 1, 0, 1)  # not a worker: its own environment
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
+    assert current(parent=carried) == Topology(1, 2, 1, 2)
+    assert current(0, 4, parent=carried) == Topology(0, 4, 1, 2)  # explicit arguments win
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert current(parent=carried) == Topology(1, 2, 1, 2)  # the rank's main process beats the environment
+    carried.pid = -1  # held by a forked worker: not this process's to use
+    assert current(parent=carried) == Topology(0, 3, 1, 2)
+    assert current(parent=FromParent()) == Topology(0, 3, 1, 2)
