@@ -15,10 +15,7 @@ import glob
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
@@ -30,6 +27,7 @@ from .cache import ShardCache
 from .cachefs import write_replace
 from .codecs import make_decoder
 from .config import checked_cache_dir, human_bytes, parse_size
+from .control import ControlDir
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
                         samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
@@ -57,11 +55,6 @@ _STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
 # once the training loop drops the last batch over it, so its pages are already mapped (a
 # fresh one costs a zero-filled page fault per 4 KiB, half the speed of the copy itself).
 _BATCH_BUFFERS = BufferPool(keep=8, largest=256 << 20)
-
-
-def _remove_dir(path: str, owner: int) -> None:
-    if os.getpid() == owner:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
@@ -146,8 +139,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.rank, self.world_size = rank, world_size
         self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
         make_decoder(decode)  # validate now, in the main process
-        self._control = tempfile.mkdtemp(prefix="shardkit-stream-")
-        weakref.finalize(self, _remove_dir, self._control, os.getpid())
+        self._control = ControlDir("shardkit-stream-")
         self.epoch = 0
         self._remaining: list[Range] | None = None  # None: the whole epoch
         self._yielded = 0
@@ -216,8 +208,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._write_control()
 
     def _write_control(self) -> None:
-        state = {"epoch": self.epoch, "remaining": self._remaining}
-        write_replace(os.path.join(self._control, "control.json"), json.dumps(state).encode())
+        self._control.write({"epoch": self.epoch, "remaining": self._remaining})
 
     def _first_to_say(self, what: str) -> bool:
         """True for the first reader of this dataset object (the rank's main process or any of
@@ -225,7 +216,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         warning every worker would give is said once per rank. A marker in the control dir,
         which the rank's processes share, is created exclusively by the first."""
         try:
-            os.close(os.open(os.path.join(self._control, f"said-{what}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(os.path.join(self._control.path, f"said-{what}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
         except OSError:  # the control dir is gone: better a line per worker than none
@@ -234,10 +225,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def _read_control(self) -> tuple[int, list[Range]]:
         # Persistent workers hold an old copy of this object: the control file is the truth.
-        try:
-            with open(os.path.join(self._control, "control.json")) as f:
-                state = json.load(f)
-        except FileNotFoundError:
+        state = self._control.read()
+        if state is None:
             return self.epoch, self._remaining_now()
         remaining = state["remaining"]
         return int(state["epoch"]), ([(int(a), int(b)) for a, b in remaining] if remaining is not None
@@ -582,7 +571,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if final:
             self._acc, self._samples_done = total, 0
         name = f"stats-r{topo.rank}w{topo.worker}p{os.getpid()}.json"
-        path = os.path.join(self._control, name)
+        path = os.path.join(self._control.path, name)
         try:
             write_replace(path, json.dumps(total).encode())
         except OSError:
@@ -602,7 +591,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """
         total: dict[str, Any] = {}
         per_worker: dict[str, float] = {}
-        for path in sorted(glob.glob(os.path.join(self._control, "stats-*.json"))):
+        for path in sorted(glob.glob(os.path.join(self._control.path, "stats-*.json"))):
             try:
                 with open(path) as f:
                     data = json.load(f)

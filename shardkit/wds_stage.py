@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 from .cache import ShardCache
 from .config import parse_size
+from .control import ControlDir
 from .errors import ConfigError
 from .partition import DEFAULT_BLOCK_SHARDS, EpochOrder
 from .reader import Dataset
@@ -62,14 +63,21 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         self.shuffle, self.seed, self.epoch = bool(shuffle), int(seed), int(epoch)
         self.prefetch, self.rank, self.world_size = prefetch, rank, world_size
         self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
+        # Persistent DataLoader workers keep the stage they started with: set_epoch reaches
+        # them through this file, read when each iteration starts (as StreamingDataset does).
+        self._control = ControlDir("shardkit-wds-")
+        self._control.write({"epoch": self.epoch})
 
     def set_epoch(self, epoch: int) -> None:
+        """Read the shards of ``epoch`` from the next iteration on (also in persistent workers)."""
         self.epoch = int(epoch)
+        self._control.write({"epoch": self.epoch})
 
     def shards(self) -> list[int]:
         """Shard ids this rank/worker reads this epoch, in order."""
         topo = current(self.rank, self.world_size, self._parent)
-        order = EpochOrder(self.ds.shard_sizes(), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
+        epoch = int((self._control.read() or {}).get("epoch", self.epoch))
+        order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                            block_shards=DEFAULT_BLOCK_SHARDS)
         readers = topo.world_size * topo.num_workers
         me = topo.rank * topo.num_workers + topo.worker

@@ -58,3 +58,21 @@ def test_two_ranks_two_workers_cover_shards_once(ds_url: str, tmp_path: Path) ->
             urls.append(s["__url__"])
     assert len(set(urls)) == n_shards
     assert Counter(keys) == Counter(f"w{i:04d}" for i in range(120))
+
+
+def test_persistent_workers_follow_set_epoch(ds_url: str, tmp_path: Path) -> None:
+    # Persistent workers keep the stage they were started with: set_epoch in the main
+    # process must still reach them, as with workers made anew each epoch.
+    orders: dict[bool, list[list[str]]] = {}
+    for persistent in (False, True):
+        stage = wds_shards(ds_url, cache_dir=tmp_path, shuffle=True, seed=5)
+        loader = DataLoader(wds.DataPipeline(stage, wds.tarfile_to_samples()), batch_size=None, num_workers=2,
+                            persistent_workers=persistent)
+        orders[persistent] = []
+        for epoch in range(3):
+            stage.set_epoch(epoch)
+            orders[persistent].append([s["__key__"] for s in loader])
+        del loader  # persistent workers end with their loader
+    assert orders[True] == orders[False]
+    assert len({tuple(o) for o in orders[True]}) == 3
+    assert all(sorted(o) == [f"w{i:04d}" for i in range(120)] for o in orders[True])
