@@ -186,6 +186,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         topo = current(self.rank, self.world_size, self._parent)
         return {
             "version": STATE_VERSION, "dataset": self.url, "created": self.ds.info.get("created"),
+            "fingerprint": self.ds.fingerprint,
             "num_samples": self.ds.num_samples, "epoch": self.epoch, "seed": self.seed, "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block, "drop_last": self.drop_last, "world_size": topo.world_size,
             "remaining": [list(r) for r in self._remaining_now()],
@@ -196,6 +197,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """Continue a stopped epoch, possibly with another world size or worker count."""
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"state_dict: unsupported version {state.get('version')!r}")
+        self._check_same_data(state)
         for name in ("num_samples", "seed", "shuffle", "shuffle_block"):
             mine = self.ds.num_samples if name == "num_samples" else getattr(self, name)
             if state[name] != mine:
@@ -206,6 +208,23 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                                              int(state["consumed_per_rank"]))
         self._yielded = 0
         self._write_control()
+
+    def _check_same_data(self, state: dict[str, Any]) -> None:
+        """Refuse a state saved on other data: the same sample count in another shard layout
+        would resume silently, repeating some samples and skipping others. The data's
+        fingerprint decides, not the URL (a copy in another bucket is the same data); a state
+        saved before states had one is compared by its dataset's ``created`` time."""
+        if "fingerprint" in state:
+            same = state["fingerprint"] == self.ds.fingerprint
+        else:
+            same = state.get("created") in (None, self.ds.info.get("created"))
+        if same:
+            return
+        saved_on = state.get("dataset")
+        which = (f"another pack of {self.url}: its shards differ" if saved_on in (None, self.url)
+                 else f"saved on {saved_on}, another dataset than {self.url}")
+        raise ConfigError(f"state_dict: the checkpoint is from {which}; resume on the data it was saved on, "
+                          "or start this epoch afresh without load_state_dict")
 
     def _write_control(self) -> None:
         self._control.write({"epoch": self.epoch, "remaining": self._remaining})

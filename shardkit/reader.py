@@ -275,12 +275,19 @@ class Dataset:
         return self._shard_list
 
     @property
+    def fingerprint(self) -> str:
+        """What the data is, wherever it lives: a hash of the shards' checksums, in order. A
+        copy in another bucket has the same; a re-pack has another, unless it wrote the same
+        bytes (packing is deterministic) and so the same samples in the same shards."""
+        return xxhash.xxh3_64_hexdigest("\0".join(self.shards.column("checksum").to_pylist()).encode())
+
+    @property
     def identity(self) -> str:
         """What names this committed dataset: a re-pack at the same URL is another dataset,
         also within the same second and at the same size (its shards' checksums differ)."""
         if self._identity is None:
-            sums = xxhash.xxh3_64_hexdigest("\0".join(self.shards.column("checksum").to_pylist()).encode())
-            self._identity = f"{self.url}\0{self.info.get('created')}\0{self.info.get('total_bytes')}\0{sums}"
+            info = self.info
+            self._identity = f"{self.url}\0{info.get('created')}\0{info.get('total_bytes')}\0{self.fingerprint}"
         return self._identity
 
     def memo(self, name: str) -> dict[Any, Any]:

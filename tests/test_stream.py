@@ -3,6 +3,7 @@ on local and SeaweedFS S3 datasets packed with shardkit.pack."""
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -675,3 +676,31 @@ def test_a_cache_limit_below_one_shard_is_refused_when_the_dataset_is_made(
     with pytest.raises(ConfigError, match=r"cache_limit .* is smaller than shard shards/.*raise cache_limit"):
         StreamingDataset(url, cache_dir=tmp_path, cache_limit=biggest - 1)
     assert len(list(StreamingDataset(url, cache_dir=None, cache_limit=biggest - 1))) > 0  # no cache: no limit to meet
+
+
+def test_resume_refuses_a_state_from_another_pack_and_accepts_a_copy(tmp_path: Path) -> None:
+    # Same samples, another shard size, same URL: the sample counts agree, the layout does
+    # not, and resuming would repeat some samples and skip others.
+    url = str(tmp_path / "ds")
+    data = samples(120)
+    shardkit.pack(iter(data), url, shard_bytes="60KB", progress=False)
+    loader = StreamingDataLoader(StreamingDataset(url, shuffle=True, batch_size=10))
+    for _, _ in zip(range(3), loader):
+        pass
+    state = loader.state_dict()
+    shutil.copytree(url, tmp_path / "copy")  # the same data elsewhere: resumes
+    StreamingDataset(str(tmp_path / "copy"), shuffle=True, batch_size=10).load_state_dict(state)
+    shardkit.pack(iter(data), url, shard_bytes="30KB", overwrite=True, progress=False)
+    with pytest.raises(ConfigError, match=r"another pack of .*ds: its shards differ"):
+        StreamingDataset(url, shuffle=True, batch_size=10).load_state_dict(state)
+    other = str(tmp_path / "other")
+    shardkit.pack(iter(samples(120, seed=1)), other, shard_bytes="60KB", progress=False)
+    with pytest.raises(ConfigError, match=r"saved on .*ds, another dataset than .*other"):
+        StreamingDataset(other, shuffle=True, batch_size=10).load_state_dict(state)
+    # A state saved before states carried a fingerprint: its dataset's 'created' decides
+    # (to the second: both packs here may share one).
+    old = {k: v for k, v in state.items() if k != "fingerprint"}
+    StreamingDataset(str(tmp_path / "copy"), shuffle=True, batch_size=10).load_state_dict(old)
+    old["created"] = "2001-01-01T00:00:00Z"
+    with pytest.raises(ConfigError, match="another pack"):
+        StreamingDataset(url, shuffle=True, batch_size=10).load_state_dict(old)
