@@ -6,6 +6,7 @@ is called, never at import time.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 
@@ -39,6 +40,24 @@ def parse_size(value: int | float | str, option: str) -> int:
     if n <= 0:
         raise ConfigError(f"{option}: size must be positive, got {value!r}")
     return n
+
+
+def int_arg(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (numpy integers too), else a one-line
+    ConfigError naming ``name`` and the value: ``"32"`` from an argument parser or ``2.5``
+    said here, not as a TypeError (or in a name the caller never used) later."""
+    # bool is an int subclass; True as a world size is a bug, not a 1.
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name} must be <= {maximum}, got {number}")
+    return number
 
 
 def env_bytes(name: str, default: int) -> int:

@@ -26,7 +26,7 @@ from .batching import collate
 from .cache import ShardCache
 from .cachefs import write_replace
 from .codecs import make_decoder
-from .config import checked_cache_dir, human_bytes, parse_size
+from .config import checked_cache_dir, human_bytes, int_arg, parse_size
 from .control import ControlDir
 from .errors import ConfigError
 from .partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
@@ -49,6 +49,10 @@ except ImportError:  # pragma: no cover - exercised only without torch
     _IterableBase = object  # type: ignore[misc,assignment]
 
 STATE_VERSION = 1
+# What load_state_dict needs; "dataset", "created" and "fingerprint" name the data (optional:
+# states before the fingerprint lack it).
+_STATE_KEYS = ("num_samples", "epoch", "seed", "shuffle", "shuffle_block", "drop_last", "world_size",
+               "remaining", "consumed_per_rank")
 _LOOKAHEAD = 256  # runs looked ahead: which shards to keep open, what to read ahead
 _STATS_EVERY = 1.0  # seconds between statistics snapshots while iterating
 # Buffers of threaded raw batches, shared by every stream in this process: a buffer is reused
@@ -108,12 +112,15 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  loader_batch_size: int | None = None, prefetch: int | None = None, verify: bool = True,
                  read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
                  world_size: int | None = None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError(f"batch_size: must be >= 1, got {batch_size}")
-        if loader_batch_size is not None and loader_batch_size < 1:
-            raise ConfigError(f"loader_batch_size: must be >= 1, got {loader_batch_size}")
-        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 0:
-            raise ConfigError(f"read_threads: must be an int >= 0, got {read_threads!r}")
+        # Numbers checked before any I/O, each with its own name (a str from an argument
+        # parser would otherwise fail as a bare TypeError, a float in an internal name later).
+        batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
+        loader_batch_size = None if loader_batch_size is None else int_arg("loader_batch_size", loader_batch_size, 1)
+        prefetch = None if prefetch is None else int_arg("prefetch", prefetch, 0)
+        read_threads = int_arg("read_threads", read_threads, 0)
+        seed, shuffle_block = int_arg("seed", seed, 0, 2**64 - 1), int_arg("shuffle_block", shuffle_block, 1)
+        world_size = None if world_size is None else int_arg("world_size", world_size, 1)
+        rank = None if rank is None else int_arg("rank", rank, 0)
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = checked_cache_dir(cache_dir)
@@ -126,7 +133,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             # Said here, not at the first batch of every worker: the shard table is known.
             raise ConfigError(f"cache_limit {human_bytes(self.cache_limit)} is smaller than shard {biggest.path} "
                               f"({human_bytes(biggest.bytes)}) of {self.ds.url}; raise cache_limit")
-        self.shuffle, self.seed, self.shuffle_block = bool(shuffle), int(seed), int(shuffle_block)
+        self.shuffle, self.seed, self.shuffle_block = bool(shuffle), seed, shuffle_block
         self.decode = decode
         self.batch_size, self.drop_last = batch_size, bool(drop_last)
         self.chunk = batch_size or loader_batch_size or 1
@@ -167,9 +174,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (keeps a resumed position if it is the resumed epoch)."""
+        epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
         if epoch != self.epoch:
             self._remaining = None
-        self.epoch = int(epoch)
+        self.epoch = epoch
         self._yielded = 0
         self._write_control()
 
@@ -195,8 +203,14 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a stopped epoch, possibly with another world size or worker count."""
+        if not isinstance(state, dict):
+            raise ConfigError(f"state_dict: expected a dict, got {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"state_dict: unsupported version {state.get('version')!r}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ConfigError(f"state_dict: missing {', '.join(map(repr, missing))} (a truncated checkpoint, "
+                              "or not one from StreamingDataset.state_dict)")
         self._check_same_data(state)
         for name in ("num_samples", "seed", "shuffle", "shuffle_block"):
             mine = self.ds.num_samples if name == "num_samples" else getattr(self, name)

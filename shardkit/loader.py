@@ -15,6 +15,7 @@ import numpy as np
 from torch.utils.data import DataLoader, default_convert
 
 from .bufpool import BufferPool
+from .config import int_arg
 from .dataset import StreamingDataset, _to_torch
 from .errors import ConfigError
 from .ring import BatchRing, RingBatch
@@ -53,6 +54,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             raise ConfigError(f"handoff: expected 'auto', 'ring' or 'copy', got {handoff!r}")
         if not isinstance(dataset, StreamingDataset):
             raise ConfigError("StreamingDataLoader needs a shardkit.StreamingDataset")
+        batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
         if getattr(dataset, "zero_copy", False) and kwargs.get("num_workers", 0):
             raise ConfigError("zero_copy=True: use num_workers=0 (views into this process's maps "
                               "cannot come from a worker)")

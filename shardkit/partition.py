@@ -16,12 +16,12 @@ Three coordinate systems appear below:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from shardkit.config import int_arg
 from shardkit.errors import ConfigError
 
 __all__ = ["DEFAULT_BLOCK_SHARDS", "EpochOrder", "Range", "consumed_remaining", "rank_ranges",
@@ -37,21 +37,6 @@ _PIECE = 65_536
 # Domain tags keep the shard permutation's random stream apart from the blocks' streams.
 _SHARD_TAG = 0
 _BLOCK_TAG = 1
-
-
-def _int_arg(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
-    # bool is an int subclass; True as a world size is a bug, not a 1.
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    if number < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
-    if maximum is not None and number > maximum:
-        raise ConfigError(f"{name} must be <= {maximum}, got {number}")
-    return number
 
 
 def _permutation(seed: int, key: tuple[int, ...], n: int) -> IntArray:
@@ -96,10 +81,10 @@ class EpochOrder:
         if sizes.size and sizes.min() < 0:
             bad = int(np.flatnonzero(sizes < 0)[0])
             raise ConfigError(f"shard_sizes[{bad}] is negative ({int(sizes[bad])})")
-        self.epoch = _int_arg("epoch", epoch, 0, 2**32 - 1)
-        self.seed = _int_arg("seed", seed, 0, 2**64 - 1)
+        self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
+        self.seed = int_arg("seed", seed, 0, 2**64 - 1)
         self.shuffle = bool(shuffle)
-        self.block_shards = _int_arg("block_shards", block_shards, 1)
+        self.block_shards = int_arg("block_shards", block_shards, 1)
         sizes.setflags(write=False)
         self._sizes = sizes
         self._offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
@@ -179,8 +164,8 @@ class EpochOrder:
         Raises:
             ConfigError: Unless ``0 <= start <= stop <= len(self)``.
         """
-        start = _int_arg("start", start, 0, len(self))
-        stop = _int_arg("stop", stop, start, len(self))
+        start = int_arg("start", start, 0, len(self))
+        stop = int_arg("stop", stop, start, len(self))
         if not self.shuffle:
             return np.arange(start, stop, dtype=np.int64)
         out = np.empty(stop - start, dtype=np.int64)
@@ -291,7 +276,7 @@ def _per_rank(total: int, world_size: int, drop_last: bool) -> int:
 def samples_per_rank(remaining: Sequence[Range], world_size: int,
                      drop_last: bool = False) -> int:
     """Samples each rank gets from ``remaining``: ceil(R/W), or floor(R/W) with drop_last."""
-    world_size = _int_arg("world_size", world_size, 1)
+    world_size = int_arg("world_size", world_size, 1)
     starts, stops = _as_ranges(remaining, "remaining", ascending=True)
     return _per_rank(int((stops - starts).sum()), world_size, drop_last)
 
@@ -317,8 +302,8 @@ def rank_ranges(remaining: Sequence[Range], rank: int, world_size: int,
     Raises:
         ConfigError: A bad argument.
     """
-    world_size = _int_arg("world_size", world_size, 1)
-    rank = _int_arg("rank", rank, 0, world_size - 1)
+    world_size = int_arg("world_size", world_size, 1)
+    rank = int_arg("rank", rank, 0, world_size - 1)
     starts, stops = _as_ranges(remaining, "remaining", ascending=True)
     total = int((stops - starts).sum())
     n = _per_rank(total, world_size, drop_last)
@@ -355,9 +340,9 @@ def worker_ranges(rank_ranges: Sequence[Range], worker: int, num_workers: int,
     Raises:
         ConfigError: A bad argument.
     """
-    num_workers = _int_arg("num_workers", num_workers, 1)
-    worker = _int_arg("worker", worker, 0, num_workers - 1)
-    chunk = _int_arg("chunk", chunk, 1)
+    num_workers = int_arg("num_workers", num_workers, 1)
+    worker = int_arg("worker", worker, 0, num_workers - 1)
+    chunk = int_arg("chunk", chunk, 1)
     # Padding repeats make a rank's ranges non-ascending, so order is not checked here.
     starts, stops = _as_ranges(rank_ranges, "rank_ranges", ascending=False)
     n = int((stops - starts).sum())
@@ -387,8 +372,8 @@ def consumed_remaining(remaining: Sequence[Range], world_size: int, drop_last: b
     Raises:
         ConfigError: A bad argument, or k larger than a rank's share.
     """
-    world_size = _int_arg("world_size", world_size, 1)
-    k = _int_arg("consumed_per_rank", consumed_per_rank, 0)
+    world_size = int_arg("world_size", world_size, 1)
+    k = int_arg("consumed_per_rank", consumed_per_rank, 0)
     starts, stops = _as_ranges(remaining, "remaining", ascending=True)
     total = int((stops - starts).sum())
     n = _per_rank(total, world_size, drop_last)
@@ -408,7 +393,7 @@ def consumed_remaining(remaining: Sequence[Range], world_size: int, drop_last: b
 def _position_pieces(ranges: Sequence[Range], order: EpochOrder,
                      piece: int) -> Iterator[IntArray]:
     """Yield the G positions of ``ranges`` in order, at most ``piece`` at a time."""
-    piece = _int_arg("piece", piece, 1)
+    piece = int_arg("piece", piece, 1)
     starts, stops = _as_ranges(ranges, "ranges", ascending=False)
     if stops.size and int(stops.max()) > len(order):
         raise ConfigError(f"ranges must lie in [0, {len(order)}]")
@@ -442,7 +427,7 @@ def worker_schedule(order: EpochOrder, ranges: Sequence[Range], *, max_run: int 
     Raises:
         ConfigError: A bad argument or a range beyond the epoch.
     """
-    max_run = _int_arg("max_run", max_run, 1)
+    max_run = int_arg("max_run", max_run, 1)
     current = -1
     pending: list[IntArray] = []
     pending_len = 0

@@ -24,7 +24,7 @@ import os
 from typing import Any, Iterator
 
 from .cache import ShardCache
-from .config import parse_size
+from .config import int_arg, parse_size
 from .control import ControlDir
 from .errors import ConfigError
 from .partition import DEFAULT_BLOCK_SHARDS, EpochOrder
@@ -60,8 +60,10 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             raise ConfigError("wds_shards: cache_dir is required (WebDataset opens local files)")
         self.ds = Dataset(url, storage_options)
         self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
-        self.shuffle, self.seed, self.epoch = bool(shuffle), int(seed), int(epoch)
-        self.prefetch, self.rank, self.world_size = prefetch, rank, world_size
+        self.shuffle, self.seed = bool(shuffle), int_arg("seed", seed, 0, 2**64 - 1)
+        self.epoch, self.prefetch = int_arg("epoch", epoch, 0, 2**32 - 1), int_arg("prefetch", prefetch, 0)
+        self.world_size = None if world_size is None else int_arg("world_size", world_size, 1)
+        self.rank = None if rank is None else int_arg("rank", rank, 0)
         self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
         # Persistent DataLoader workers keep the stage they started with: set_epoch reaches
         # them through this file, read when each iteration starts (as StreamingDataset does).
@@ -70,7 +72,7 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
 
     def set_epoch(self, epoch: int) -> None:
         """Read the shards of ``epoch`` from the next iteration on (also in persistent workers)."""
-        self.epoch = int(epoch)
+        self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
         self._control.write({"epoch": self.epoch})
 
     def shards(self) -> list[int]:

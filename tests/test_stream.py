@@ -704,3 +704,45 @@ def test_resume_refuses_a_state_from_another_pack_and_accepts_a_copy(tmp_path: P
     old["created"] = "2001-01-01T00:00:00Z"
     with pytest.raises(ConfigError, match="another pack"):
         StreamingDataset(url, shuffle=True, batch_size=10).load_state_dict(old)
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("batch_size", "32", "batch_size must be an integer, got '32'"),
+    ("batch_size", 2.5, "batch_size must be an integer, got 2.5"),
+    ("batch_size", True, "batch_size must be an integer, got True"),
+    ("batch_size", 0, "batch_size must be >= 1, got 0"),
+    ("loader_batch_size", "8", "loader_batch_size must be an integer, got '8'"),
+    ("prefetch", -1, "prefetch must be >= 0, got -1"),
+    ("prefetch", 1.5, "prefetch must be an integer, got 1.5"),
+    ("read_threads", "2", "read_threads must be an integer, got '2'"),
+    ("seed", "0", "seed must be an integer, got '0'"),
+    ("seed", -1, "seed must be >= 0, got -1"),
+    ("shuffle_block", 0, "shuffle_block must be >= 1, got 0"),
+    ("world_size", "2", "world_size must be an integer, got '2'"),
+    ("rank", -1, "rank must be >= 0, got -1"),
+])
+def test_numeric_options_are_checked_up_front(local_ds: tuple[str, dict[str, bytes]], option: str, value: Any,
+                                              said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        StreamingDataset(local_ds[0], **{option: value})
+    assert str(err.value) == said
+
+
+def test_option_checks_take_numpy_integers(local_ds: tuple[str, dict[str, bytes]]) -> None:
+    ds = StreamingDataset(local_ds[0], batch_size=np.int64(8), prefetch=np.int32(0), seed=np.uint64(3))
+    assert (ds.batch_size, ds.prefetch, ds.seed) == (8, 0, 3) and type(ds.batch_size) is int
+    with pytest.raises(ConfigError, match="batch_size must be an integer, got 2.5"):
+        StreamingDataLoader(StreamingDataset(local_ds[0]), batch_size=2.5)  # type: ignore[arg-type]
+
+
+def test_truncated_state_names_what_is_missing(local_ds: tuple[str, dict[str, bytes]]) -> None:
+    ds = StreamingDataset(local_ds[0])
+    with pytest.raises(ConfigError, match=r"^state_dict: missing 'num_samples', 'epoch', .*'consumed_per_rank' "
+                                          r"\(a truncated checkpoint"):
+        ds.load_state_dict({"version": 1})
+    state = ds.state_dict()
+    del state["remaining"]
+    with pytest.raises(ConfigError, match=r"^state_dict: missing 'remaining' \("):
+        ds.load_state_dict(state)
+    with pytest.raises(ConfigError, match="state_dict: expected a dict, got list"):
+        ds.load_state_dict([])  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import wds_shards
+from shardkit.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,12 @@ def test_persistent_workers_follow_set_epoch(ds_url: str, tmp_path: Path) -> Non
     assert orders[True] == orders[False]
     assert len({tuple(o) for o in orders[True]}) == 3
     assert all(sorted(o) == [f"w{i:04d}" for i in range(120)] for o in orders[True])
+
+
+def test_numeric_options_are_checked_up_front(ds_url: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^prefetch must be >= 0, got -1$"):
+        wds_shards(ds_url, cache_dir=tmp_path, prefetch=-1)
+    with pytest.raises(ConfigError, match=r"^seed must be an integer, got '1'$"):
+        wds_shards(ds_url, cache_dir=tmp_path, seed="1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^epoch must be an integer, got 1.5$"):
+        wds_shards(ds_url, cache_dir=tmp_path).set_epoch(1.5)  # type: ignore[arg-type]
