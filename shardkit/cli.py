@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import select
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -264,6 +267,17 @@ def configure_logging(debug: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _stdout_gone() -> bool:
+    """True when stdout is a pipe nobody reads any more (a broken pipe elsewhere, a storage
+    connection say, is an error to report)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError):  # no stdout, or one without a descriptor
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
@@ -273,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.debug)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return code
     except (ConfigError, SourceNotFoundError) as exc:
         if args.debug:
             raise
@@ -288,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("shardkit: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the contract: one line on stderr, a traceback only with --debug
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            # The reader went away (`shardkit info URL | head -1`): stop quietly as cat or grep
+            # do, with their status (killed by SIGPIPE). Python's flush at exit would fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         if args.debug:
             raise
         print(f"shardkit: error: {type(exc).__name__}: {first_line(exc)} (--debug shows where)", file=sys.stderr)

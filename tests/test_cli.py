@@ -463,3 +463,15 @@ def test_pack_summary_rate_is_never_rounded_to_zero(samples: int, seconds: float
     from shardkit.cli import sample_rate
 
     assert sample_rate(samples, seconds) == shown
+
+
+def test_info_into_a_closed_pipe_exits_quietly(source: Path, tmp_path: Path) -> None:
+    # `shardkit info URL | head -1`: the reader may be gone before shardkit writes.
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(source), url, shard_bytes="4KB", progress=False)
+    p = subprocess.Popen([sys.executable, "-m", "shardkit.cli", "info", url], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.stdout is not None
+    p.stdout.close()  # before the command has started: its first write finds no reader
+    _, err = p.communicate(timeout=60)
+    assert err == "" and p.returncode == 141
