@@ -37,7 +37,7 @@ from .keptmaps import keep_budget
 from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
                        prepare, view_batch)
 from .ring import BatchRing, RingBatch
-from .segments import SegmentPlanner
+from .segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
 from .shardio import Run, ShardSource, cache_namespace
 from .topology import FromParent, Topology, current
 
@@ -71,7 +71,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             the byte ranges its own samples occupy, reads them ahead, and holds the segments
             in use (with ``shuffle``, those of a shuffle block's shards). Shuffled small
             samples split over DataLoader workers are the exception: each worker fetches
-            most of every shard (a warning says so); a cache fetches each shard once per node.
+            most of every shard (a warning says so), as does any reader for the shuffle block
+            where its share starts or ends; a cache fetches each shard once per node.
         cache_limit: bound on the cache size (``"200GB"``), held at all times.
         shuffle: shuffle shard order and samples within blocks of ``shuffle_block`` shards,
             differently each epoch, reproducibly from ``seed``.
@@ -359,8 +360,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.plan(sched)
             planned = worker_schedule(order, ranges)
             if source.cache is None:  # read only the segments of shards this reader needs
+                why = SPREAD_OVER_WORKERS if topo.num_workers > 1 else SHARE_EDGE
                 source.segment_plan = SegmentPlanner(order, ranges, source.rows,
-                                                     functools.partial(self._first_to_say, "waste"))
+                                                     functools.partial(self._first_to_say, "waste"), why)
                 planned = source.segment_plan.split(planned)
             runs = _Lookahead(planned, _LOOKAHEAD, source, sched)
             if self.batch_size is None:

@@ -37,6 +37,12 @@ SEGMENT_BYTES = 64 << 20
 _PLANS_KEPT = 64  # shard plans one reader keeps (a shuffle block needs a few at a time)
 WASTE_WARNING = 1.5  # read / needed bytes of a shard above which a reader says so, once
 _warned = False  # this process has warned, or been told another reader of its rank did
+# Why a reader needs only a scattered part of a shard, for the warning (the caller knows which).
+SPREAD_OVER_WORKERS = ("DataLoader workers take turns in batches, and in a shuffled order a shard's small samples "
+                       "are spread over all of them")
+SHARE_EDGE = ("its share of the shuffled epoch (a rank's part, or what a resumed epoch has left) starts or ends "
+              "inside a shuffle block, so it needs a scattered part of that block's shards' small samples "
+              "(a smaller shuffle_block narrows this)")
 
 
 @dataclass(frozen=True)
@@ -99,12 +105,14 @@ class SegmentPlanner:
         may_warn: asked once, when this process would first warn that it fetches much more
             than its samples: False if another reader of the rank (a sibling DataLoader
             worker) has said so already. Default: always this process's first time.
+        why: the warning's reason: :data:`SPREAD_OVER_WORKERS` where DataLoader workers
+            share the rank's shards, else :data:`SHARE_EDGE`.
     """
 
     def __init__(self, order: EpochOrder, ranges: Sequence[Range], rows: Callable[[int], ShardRows],
-                 may_warn: Callable[[], bool] | None = None) -> None:
+                 may_warn: Callable[[], bool] | None = None, why: str = SPREAD_OVER_WORKERS) -> None:
         self.order, self.rows = order, rows
-        self._may_warn = may_warn
+        self._may_warn, self._why = may_warn, why
         arr = np.asarray(list(ranges), dtype=np.int64).reshape(-1, 2)
         self._starts, self._stops = arr[:, 0], arr[:, 1]
         block_of = np.empty(order.num_shards, np.int64)
@@ -142,7 +150,7 @@ class SegmentPlanner:
         starts = rows.offset[positions].astype(np.int64)
         ends = starts + rows.size[positions].astype(np.int64)
         segment, lo, hi = merge_segments(starts, ends, GAP_BYTES, SEGMENT_BYTES)
-        _warn_if_wasteful(shard, int(np.sum(hi - lo)), int(np.sum(ends - starts)), self._may_warn)
+        _warn_if_wasteful(shard, int(np.sum(hi - lo)), int(np.sum(ends - starts)), self._may_warn, self._why)
         return ShardSegments(positions, segment, lo, hi)
 
     def segments_of(self, runs: Iterable[Run]) -> list[tuple[int, int]]:
@@ -168,10 +176,13 @@ class SegmentPlanner:
                 yield shard, positions[a:z]
 
 
-def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[], bool] | None) -> None:
+def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[], bool] | None, why: str) -> None:
     # DataLoader workers reading a shuffled order without a cache each need a random share of
     # every shard; when their samples are small, the gaps between them are too, and reading
-    # them beats a request per sample, so each worker fetches most of the shard.
+    # them beats a request per sample, so each worker fetches most of the shard. A single
+    # reader meets the same where its contiguous part of the epoch order begins or ends inside
+    # a shuffle block (ranks split the order; a resumed epoch has a consumed part cut out):
+    # at most two blocks per share, but with small shares or datasets that is most of it.
     global _warned
     if _warned or read <= WASTE_WARNING * needed:
         return
@@ -180,7 +191,6 @@ def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[],
     # per worker (each with its own figure), is what the user needs.
     if may_warn is not None and not may_warn():
         return
-    log.warning("reading without a cache, this reader fetches %.1fx the bytes of its samples (shard %d): "
-                "DataLoader workers take turns in batches, and in a shuffled order a shard's small samples "
-                "are spread over all of them; a cache_dir (a local disk, or /dev/shm with a cache_limit) "
-                "fetches each shard once per node", read / max(needed, 1), shard)
+    log.warning("reading without a cache, this reader fetches %.1fx the bytes of its samples (shard %d): %s; "
+                "a cache_dir (a local disk, or /dev/shm with a cache_limit) fetches each shard once per node",
+                read / max(needed, 1), shard, why)

@@ -746,3 +746,20 @@ def test_truncated_state_names_what_is_missing(local_ds: tuple[str, dict[str, by
         ds.load_state_dict(state)
     with pytest.raises(ConfigError, match="state_dict: expected a dict, got list"):
         ds.load_state_dict([])  # type: ignore[arg-type]
+
+
+def test_no_cache_waste_without_workers_names_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # One reader (num_workers=0) whose share of a shuffled epoch starts inside a shuffle block
+    # (rank 1 of 2, here, or a resumed epoch) needs a scattered part of its shards: the warning
+    # blamed DataLoader workers, which there are none of.
+    from shardkit import segments
+
+    url = str(tmp_path / "ds")
+    shardkit.pack(iter(fixed_samples(1200, 300)), url, shard_bytes="100KB", progress=False)
+    monkeypatch.setattr(segments, "_warned", False)
+    ds = StreamingDataset(url, cache_dir=None, shuffle=True, batch_size=50, rank=1, world_size=2, shuffle_block=8)
+    with caplog.at_level("WARNING", logger="shardkit"):
+        assert len(keys_of(StreamingDataLoader(ds))) == 600
+    assert caplog.text.count("reading without a cache") == 1
+    assert "DataLoader workers" not in caplog.text and "starts or ends inside a shuffle block" in caplog.text
