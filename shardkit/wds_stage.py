@@ -12,10 +12,11 @@ prefetching the next ones into the cache. Each shard stays pinned (never evicted
 pipeline asks for the next one, i.e. while downstream stages read it.
 
 The split is by whole shards: the epoch's shard order is dealt round-robin over
-``world_size x num_workers`` readers, so ranks get equal numbers of *shards*, not of
-samples, and a rank may see a few more samples than another. DDP training that needs
-exactly equal per-rank sample (or batch) counts and exact resume should use
-:class:`shardkit.StreamingDataset` instead.
+``world_size x num_workers`` readers, so readers' shard counts differ by one where the
+shards do not divide evenly (nothing is repeated to pad them), and sample counts per rank
+differ more. DDP training that needs exactly equal per-rank sample (or batch) counts and
+exact resume should use :class:`shardkit.StreamingDataset` instead (or give the pipeline a
+fixed length with ``.with_epoch(n)``).
 """
 
 from __future__ import annotations

@@ -86,3 +86,13 @@ def test_numeric_options_are_checked_up_front(ds_url: str, tmp_path: Path) -> No
         wds_shards(ds_url, cache_dir=tmp_path, seed="1")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^epoch must be an integer, got 1.5$"):
         wds_shards(ds_url, cache_dir=tmp_path).set_epoch(1.5)  # type: ignore[arg-type]
+
+
+def test_readers_get_whole_shards_round_robin_without_padding(ds_url: str, tmp_path: Path) -> None:
+    # As README says: shard counts differ by one where they do not divide evenly; no repeats.
+    n = shardkit.open_dataset(ds_url).num_shards
+    world = next(w for w in range(3, n) if n % w)
+    got = [wds_shards(ds_url, cache_dir=tmp_path, shuffle=True, rank=r, world_size=world).shards()
+           for r in range(world)]
+    assert sorted(s for g in got for s in g) == list(range(n))
+    assert {len(g) for g in got} == {n // world, n // world + 1}
