@@ -415,7 +415,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 for k, p in enumerate(todo[i:stop]):
                     sample = decoder(sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k]))
                     n += 1
-                    if tight and n % chunk == 0:  # the worker may now wait on the DataLoader
+                    # Unpin before a yield after which the worker may wait on the DataLoader
+                    # (tight: at every chunk end) or after which nothing is read (the last
+                    # sample): pins held while the training loop waits in a collective for
+                    # another rank can starve that rank's reader of cache room for good.
+                    if (tight and n % chunk == 0) or (i + k + 1 == len(todo) and runs.fewer_than(1)):
                         if isinstance(sample, dict):  # raw fields: copies, not views of what we unpin
                             sample = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in sample.items()}
                         del view
@@ -425,19 +429,22 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             self._tick(source, len(positions))
 
     def _decoded_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[dict[str, Any]]:
-        size = self.batch_size or 1
-        pending: list[dict[str, Any]] = []
-        for s in self._samples(source, runs):
-            pending.append(s)
-            if len(pending) == size:
-                yield _to_torch(collate(pending))
-                pending = []
-        if pending and not self.drop_last:
-            yield _to_torch(collate(pending))
+        """Batches of decoded samples (``decode`` set), collated in this process."""
+        decoder = make_decoder(self.decode)
+        for pieces, carry, n, last in self._batch_pieces(runs):
+            batch = _to_torch(collate(self._piece_samples(source, pieces, carry, runs, decoder)))
+            if last or self._tight:  # decoded and collated: copies, nothing refers to the shards
+                source.release_all()
+            yield batch
+            self._tick(source, n)
 
-    def _batch_pieces(self, runs: _Lookahead) -> Iterator[tuple[list[Run], Run | None, int]]:
-        """Cut the run stream into batches: (pieces, the rest of the last run, samples)."""
+    def _batch_pieces(self, runs: _Lookahead) -> Iterator[tuple[list[Run], Run | None, int, bool]]:
+        """Cut the run stream into batches: (pieces, the rest of the last run, samples, whether
+        it is the last batch). After the last batch nothing more is read, so callers unpin its
+        shards before they yield it: the training loop may hold it for as long as it likes
+        (in a collective, waiting for a rank whose reader needs that cache room)."""
         size = self.batch_size or 1
+        need = size if self.drop_last else 1  # fewer samples left than this: no batch follows
         carry: Run | None = None
         while True:
             pieces: list[Run] = []
@@ -459,13 +466,17 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                     n += len(p)
             if n == 0 or (n < size and self.drop_last):
                 return
-            yield pieces, carry, n
+            rest = len(carry[1]) if carry is not None else 0
+            last = rest < need and runs.fewer_than(need - rest)
+            yield pieces, carry, n, last
+            if last:
+                return  # not even a dropped tail: popping it would prefetch its shards
 
     def _raw_batches(self, source: ShardSource, runs: _Lookahead) -> Iterator[Any]:
         """Raw batches built with numpy from the manifest offsets: one copy of the bytes."""
-        for pieces, carry, n in self._batch_pieces(runs):
+        for pieces, carry, n, last in self._batch_pieces(runs):
             built = self._build(source, pieces, carry, runs)
-            if self._tight:  # the worker may now wait on the DataLoader
+            if self._tight or last:  # the worker may now wait on the DataLoader / nothing more is read
                 source.release_all()
             yield built if isinstance(built, RingBatch) else _to_torch(built)
             self._tick(source, n)
@@ -475,13 +486,16 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         first_sample = self.ds.first_samples
         warm = MapWarmer()
         try:
-            for pieces, carry, n in self._batch_pieces(runs):
+            for pieces, carry, n, last in self._batch_pieces(runs):
                 plan = plan_batch(source, pieces, first_sample)
                 window = _Later(pieces, 0, carry, runs)
                 batch = (view_batch(source, plan, window, opened=warm) if plan is not None
                          else self._ragged_views(source, pieces, carry, runs))
-                if self._tight:
-                    source.release_all()  # the views keep their maps; only the pins go
+                if self._tight or last:
+                    # Only the pins go: the views keep their maps, and a map stays valid after
+                    # the cache evicts (unlinks) its file; the cache never truncates or rewrites
+                    # a published file (a new copy arrives under a new inode by rename).
+                    source.release_all()
                 yield _to_torch(batch)
                 self._tick(source, n)
         finally:
@@ -525,20 +539,26 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 done(source, copies)
             return _to_torch(assemble(plan, outs))
 
-        def drain(count: int | None = None) -> Iterator[Any]:
+        def drain(count: int | None = None, final: bool = False) -> Iterator[Any]:
             while pending and (count is None or count > 0):
                 n = pending[0][4]
-                yield finish()
+                batch = finish()
+                if final and not pending:  # the last batch, copied: nothing more is read
+                    source.release_all()
+                yield batch
                 self._tick(source, n)
                 count = None if count is None else count - 1
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-fill")
         try:
-            for pieces, carry, n in self._batch_pieces(runs):
+            for pieces, carry, n, last in self._batch_pieces(runs):
                 plan = plan_batch(source, pieces, first_sample)
                 if plan is None:  # ragged fields: collate per sample, after the batches before it
                     yield from drain()
-                    yield _to_torch(self._build_slow(source, pieces, carry, runs))
+                    batch = _to_torch(self._build_slow(source, pieces, carry, runs))
+                    if last:
+                        source.release_all()
+                    yield batch
                     self._tick(source, n)
                     continue
                 copies = list(prepare(source, plan, _Later(pieces, 0, carry, runs)))
@@ -547,7 +567,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 del outs  # the pool sees a buffer as free once only the batch refers to it
                 if len(pending) > 2 * threads:
                     yield from drain(1)
-            yield from drain()
+            yield from drain(final=True)
         finally:
             for fut, *_ in pending:
                 fut.cancel()
@@ -580,19 +600,21 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         return fill(source, plan, window)
 
     def _build_slow(self, source: ShardSource, pieces: list[Run], carry: Run | None, runs: _Lookahead) -> dict[str, Any]:
-        decoder = make_decoder("raw")
-        return collate([decoder(s) for s in self._piece_samples(source, pieces, carry, runs)])
+        return collate(self._piece_samples(source, pieces, carry, runs, make_decoder("raw")))
 
     def _piece_samples(self, source: ShardSource, pieces: list[Run], carry: Run | None,
-                       runs: _Lookahead) -> list[dict[str, Any]]:
-        """The sample dicts of a batch's ``pieces``, their fields views of the held shards."""
+                       runs: _Lookahead, decoder: Callable[[dict[str, Any]], Any] | None = None) -> list[Any]:
+        """The sample dicts of a batch's ``pieces``, their fields views of the held shards, or
+        each passed through ``decoder`` while its shard is held (a batch may span shards that
+        a small cache cannot hold at once)."""
         first_sample = self.ds.first_samples
         infos = self.ds.shard_list
         samples: list[dict[str, Any]] = []
         for i, (shard, p) in enumerate(pieces):
             rows = source.rows(shard)
             held = source.get(shard, p, _Later(pieces, i + 1, carry, runs))
-            samples += sample_dicts(held.view, held.base, rows, p, int(first_sample[shard]), infos[shard].path)
+            got = sample_dicts(held.view, held.base, rows, p, int(first_sample[shard]), infos[shard].path)
+            samples += got if decoder is None else map(decoder, got)
         return samples
 
     # ---- statistics -----------------------------------------------------------------------
@@ -668,6 +690,19 @@ class _Lookahead:
                 self.cursor += 1
             self.source.advance(self.sched[self.cursor:self.cursor + self.source.prefetch + self.source.max_open])
         return run
+
+    def fewer_than(self, k: int) -> bool:
+        """Whether the runs not popped yet hold fewer than ``k`` samples. Reads ahead in the
+        run stream (pure partition arithmetic) only as far as that takes; opens nothing."""
+        have = 0
+        for _, p in self.buf:
+            have += len(p)
+            if have >= k:
+                return False
+        while have < k and (nxt := next(self.runs, None)) is not None:
+            self.buf.append(nxt)
+            have += len(nxt[1])
+        return have < k
 
 
 class _Later(Sequence[Run]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -11,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -38,7 +40,7 @@ def s3_dataset(s3_env: Any, s3_bucket: str) -> tuple[str, set[str], Any]:
     return url, {d["__key__"] for d in data}, shardkit.open_dataset(url)
 
 
-def run_ranks(tmp: Path, world: int, caches: list[str], **cfg: Any) -> list[dict[str, Any]]:
+def run_ranks(tmp: Path, world: int, caches: list[str], timeout: float = 180, **cfg: Any) -> list[dict[str, Any]]:
     port = _free_port()
     procs, outs = [], []
     for rank in range(world):
@@ -49,9 +51,10 @@ def run_ranks(tmp: Path, world: int, caches: list[str], **cfg: Any) -> list[dict
                "PYTHONPATH": str(REPO)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(conf)], env=env))
         outs.append(out)
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            assert p.wait(timeout=180) == 0
+            assert p.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -132,12 +135,9 @@ def test_resume_with_another_world_size(s3_dataset: tuple[str, set[str], Any], t
     assert not set(consumed) & set(tail[: N - 160]) if new_world == 1 else True
 
 
-def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
-    url, keys, ds = s3_dataset
-    biggest = max(ds.shards.column("bytes").to_pylist())
-    limit = 2 * biggest + biggest // 2
-    cache = tmp_path / "small"
-    cache.mkdir()
+@contextlib.contextmanager
+def peak_size(cache: Path) -> Iterator[list[int]]:
+    """Sample the bytes under ``cache`` every few ms while the block runs: [peak]."""
     peak, stop = [0], threading.Event()
 
     def sample() -> None:
@@ -156,10 +156,20 @@ def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     try:
-        res = run_ranks(tmp_path, 2, [str(cache)] * 2, url=url, cache_limit=limit, shuffle=False)
+        yield peak
     finally:
         stop.set()
         t.join()
+
+
+def test_cache_limit_held_under_several_processes(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
+    url, keys, ds = s3_dataset
+    biggest = max(ds.shards.column("bytes").to_pylist())
+    limit = 2 * biggest + biggest // 2
+    cache = tmp_path / "small"
+    cache.mkdir()
+    with peak_size(cache) as peak:
+        res = run_ranks(tmp_path, 2, [str(cache)] * 2, url=url, cache_limit=limit, shuffle=False)
     seen = [k for r in res for k in r["epochs"][0]["keys"]]
     assert Counter(seen) == Counter(keys)
     assert 0 < peak[0] <= limit
@@ -196,3 +206,45 @@ def test_spawned_ranks_with_spawned_workers_read_disjoint_shares(tmp_path: Path)
     wds_keys = [r["wds"]["keys"] for r in res]
     assert not set(wds_keys[0]) & set(wds_keys[1])
     assert Counter(wds_keys[0] + wds_keys[1]) == Counter(keys)
+
+
+@pytest.fixture
+def s3_jpegs(s3_env: Any, s3_bucket: str) -> tuple[str, set[str], Any]:
+    """600 small JPEGs in 10 shards: decoded batches, as in the trial that found the hang."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    data = []
+    for i in range(600):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        data.append({"__key__": f"j{i:05d}", "jpg": buf.getvalue()})
+    url = f"{s3_bucket}/jpegs"
+    shardkit.pack(iter(data), url, shard_bytes=f"{sum(len(d['jpg']) + 1024 for d in data) // 10}B", progress=False)
+    return url, {d["__key__"] for d in data}, shardkit.open_dataset(url)
+
+
+@pytest.mark.parametrize("world,workers,shuffle,room,batch,epochs", [
+    (2, 0, False, 1, 64, 1),  # in the ranks' main processes; 300 per rank: a partial last batch
+    (3, 1, True, 2, 60, 2),  # one persistent worker per rank, which runs up to 2 batches ahead
+])
+def test_small_shared_cache_with_a_collective_per_step_reaches_the_end(
+        s3_jpegs: tuple[str, set[str], Any], tmp_path: Path, world: int, workers: int, shuffle: bool, room: int,
+        batch: int, epochs: int) -> None:
+    # A rank whose reader kept its last shard pinned after handing out its last (partial)
+    # batch sat in the all_reduce, while another rank's reader waited for that cache room
+    # for good: both stopped one batch before the end.
+    url, keys, ds = s3_jpegs
+    assert ds.num_shards >= 2 * world
+    biggest = max(ds.shards.column("bytes").to_pylist())
+    limit = room * biggest + biggest // 10
+    cache = tmp_path / "cache"
+    with peak_size(cache) as peak:
+        res = run_ranks(tmp_path, world, [str(cache)] * world, timeout=60, url=url, cache_limit=limit,
+                        shuffle=shuffle, batch_size=batch, num_workers=workers, decode="crop", all_reduce=True,
+                        epochs=epochs)
+    for e in range(epochs):
+        seen = [k for r in res for k in r["epochs"][e]["keys"]]
+        assert Counter(seen) == Counter(keys)  # 600 divides by the world size: no padding
+        assert all(r["epochs"][e]["steps"] == r["len"] for r in res)
+    assert 0 < peak[0] <= limit

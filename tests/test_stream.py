@@ -4,6 +4,11 @@ on local and SeaweedFS S3 datasets packed with shardkit.pack."""
 from __future__ import annotations
 
 import shutil
+
+
+import fcntl
+import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -763,3 +768,42 @@ def test_no_cache_waste_without_workers_names_its_cause(tmp_path: Path, monkeypa
         assert len(keys_of(StreamingDataLoader(ds))) == 600
     assert caplog.text.count("reading without a cache") == 1
     assert "DataLoader workers" not in caplog.text and "starts or ends inside a shuffle block" in caplog.text
+
+
+def pinned(cache: Path) -> list[str]:
+    """Shards some reader holds pinned in ``cache`` now (a flock SH on their .pin files)."""
+    out = []
+    for lock in cache.glob("*/.locks/*.pin"):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            out.append(lock.name)
+        finally:
+            os.close(fd)
+    return out
+
+
+def _cls_as_int(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "cls": int(sample["cls"])}
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"batch_size": 64}, {"batch_size": 64, "read_threads": 0}, {"batch_size": 64, "zero_copy": True},
+    {"batch_size": 64, "decode": _cls_as_int}, {"batch_size": 64, "drop_last": True},
+], ids=["samples", "threaded", "raw", "views", "decoded", "drop_last"])
+def test_the_last_item_leaves_no_shard_pinned(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path,
+                                              kw: dict[str, Any]) -> None:
+    # The training loop may hold the last batch as long as it likes (DDP: in a collective,
+    # waiting for a rank whose reader needs that cache room), and asks for no more before it
+    # is done with it: nothing may stay pinned meanwhile. 300 samples: a partial last batch.
+    s = StreamingDataset(local_ds[0], cache_dir=tmp_path / "c", rank=0, world_size=2, **kw)
+    it = iter(s)
+    items = [next(it) for _ in range(len(s))]
+    deadline = time.monotonic() + 5  # a prefetch thread pins a shard only while it checks or fetches it
+    while pinned(tmp_path / "c") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pinned(tmp_path / "c") == []
+    assert len(keys_of(items)) == (256 if kw.get("drop_last") else 300)
+    with pytest.raises(StopIteration):
+        next(it)
