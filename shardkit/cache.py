@@ -51,7 +51,7 @@ from .keptmaps import KEPT
 from .landing import LANDING, DirectWriter, Landing
 
 __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_positional", "ShardCache",
-           "CachedShard", "CacheFullError"]
+           "CachedShard", "CacheFullError", "NoRoomError"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ _Prefetch = Optional[Mapping[str, int]]
 
 class _NoRoom(Exception):
     """A prefetch found no room for its shard (see ShardCache.prefetch)."""
+
+
+class NoRoomError(CacheFullError):
+    """An open waited ``room_wait`` seconds while shards pinned by readers left no room for
+    its shard (see :class:`ShardCache`): the caller reads the shard around the cache."""
 
 
 class CachedShard:
@@ -204,18 +209,26 @@ class ShardCache:
             verified (any process on the node stamps a verified file's mtime; a write to the
             file changes it). ``False``: trust any cached file of the right size.
         wait_timeout: seconds to wait for readers to unpin space before CacheFullError.
+        room_wait: seconds an :meth:`open` waits while the shards readers keep pinned leave
+            no room for its shard, before NoRoomError; ``None``: up to ``wait_timeout``. Those
+            readers may never let go while this one waits: a rank in a collective waits for
+            the rank whose reader waits here. Downloads in flight always end, so a wait for
+            them alone goes on.
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str], limit_bytes: int, *, namespace: str,
-                 verify: bool = True, wait_timeout: float = 600.0) -> None:
+                 verify: bool = True, wait_timeout: float = 600.0, room_wait: float | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
             raise ConfigError(f"cache limit_bytes must be a positive int, got {limit_bytes!r}")
         if not _NAMESPACE.match(namespace):
             raise ConfigError(f"cache namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
         if wait_timeout < 0:
             raise ConfigError(f"cache wait_timeout must be >= 0, got {wait_timeout!r}")
+        if room_wait is not None and room_wait < 0:
+            raise ConfigError(f"cache room_wait must be >= 0, got {room_wait!r}")
         self._root, self._ns = os.path.abspath(os.fspath(cache_dir)), namespace
         self._limit, self._verify, self._wait_timeout = limit_bytes, verify, wait_timeout
+        self._room_wait = room_wait
         try:
             for sub in (".tmp", ".locks"):
                 os.makedirs(os.path.join(self._root, namespace, sub), exist_ok=True)
@@ -271,6 +284,7 @@ class ShardCache:
             ConfigError: the shard is larger than the cache limit.
             IntegrityError: the download disagrees with ``ref`` twice in a row.
             CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
+            NoRoomError: with ``room_wait``, pinned shards left no room for that long.
             Whatever ``fetch`` raises (the partial download is kept and resumed next time;
             after a positional fetch the reservation is kept and the next time starts from 0).
         """
@@ -570,6 +584,7 @@ class ShardCache:
         """A temp file that counts ``ref.size``, and the bytes already in it.
 
         Waits (polling) while readers pin the space; a prefetch returns None instead.
+        NoRoomError after ``room_wait`` seconds if the pinned shards alone leave no room.
         """
         t0 = time.monotonic()
         next_note = t0 + WAIT_NOTE_SECONDS
@@ -593,8 +608,14 @@ class ShardCache:
                 waited = time.monotonic() - t0
                 if prefetch is not None:
                     return None
+                pinned = [e for e in blockers or [] if not e.temp]
+                if (self._room_wait is not None and waited >= self._room_wait
+                        and sum(e.size for e in pinned) + ref.size > self._limit):
+                    raise NoRoomError(
+                        f"cache_limit {fmt_bytes(self._limit)}: {len(pinned)} shards in use by readers on this node hold "
+                        f"{fmt_bytes(sum(e.size for e in pinned))}, no room for {ref.name} ({fmt_bytes(ref.size)}) "
+                        f"after {waited:.1f} s in {self._root}")
                 if waited >= self._wait_timeout:
-                    pinned = [e for e in blockers or [] if not e.temp]
                     flight = [e for e in blockers or [] if e.temp]
                     raise CacheFullError(
                         f"cache_limit {fmt_bytes(self._limit)} too small: {len(pinned)} shards in use by readers "

@@ -23,7 +23,8 @@ import pytest
 import xxhash
 
 from shardkit import cache as cache_mod
-from shardkit.cache import CacheFullError, ShardCache, ShardRef
+from shardkit.cache import CacheFullError, NoRoomError, ShardCache, ShardRef
+from shardkit.cachefs import FileLock, file_name
 from shardkit.errors import ConfigError, IntegrityError, ShardkitError
 
 SPAWN = mp.get_context("spawn")
@@ -473,6 +474,52 @@ def test_pinned_shards_are_never_evicted(tmp_path: Path, monkeypatch: pytest.Mon
         release.set()
         holder.join(10)
     assert holder.exitcode == 0
+
+
+def test_room_held_by_pinned_shards_gives_up_after_room_wait(tmp_path: Path) -> None:
+    # A reader that pins a shard may be waiting for this one (a DDP rank in a collective):
+    # with room_wait, an open gives up on such room in bounded time, and leaves nothing behind.
+    s = make_store(tmp_path, [1 * MB] * 3)
+    x, y, z = s.refs
+    limit = int(1.5 * MB)
+    ready, release = SPAWN.Event(), SPAWN.Event()
+    holder = SPAWN.Process(target=_holder, args=(s.cache_dir, limit, [x], s.remote, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        cache = s.cache(limit, room_wait=0.3, wait_timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(NoRoomError) as err:
+            cache.open(y, s.remote)
+        assert 0.3 <= time.monotonic() - t0 < 10
+        assert isinstance(err.value, CacheFullError) and y.name in str(err.value) and "1 shards in use" in str(err.value)
+        assert s.cached() == {x.name} and s.temps() == []  # no reservation left behind
+        dl = FileLock.try_take(str(Path(s.cache_dir) / NS / ".locks" / f"{file_name(y.name)}.dl"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert dl is not None  # nor its download lock
+        dl.release()
+    finally:
+        release.set()
+        holder.join(10)
+    assert holder.exitcode == 0
+    # Room held only by a download in flight is waited for: downloads end.
+    dl = FileLock.take(str(Path(s.cache_dir) / NS / ".locks" / f"{file_name(z.name)}.dl"))
+    tmp = Path(s.cache_dir) / NS / ".tmp" / f"{file_name(z.name)}.{z.size}.{os.getpid()}"
+    tmp.write_bytes(b"")
+
+    def finish() -> None:
+        tmp.unlink()
+        dl.release()
+
+    threading.Timer(0.8, finish).start()
+    t0 = time.monotonic()
+    with s.cache(limit, room_wait=0.1, wait_timeout=30) as waiter:  # x (unpinned) goes: room for y after z's reservation
+        assert read_ok(waiter, y, s.remote, s.remote)
+    assert time.monotonic() - t0 >= 0.7
+
+
+def test_room_wait_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        ShardCache(tmp_path, MB, namespace=NS, room_wait=-1)
 
 
 def _start_hung_download(s: Store, ref: ShardRef) -> Any:
