@@ -69,6 +69,21 @@ def env_bytes(name: str, default: int) -> int:
     return 0 if raw == "0" else parse_size(raw, name)
 
 
+def env_seconds(name: str, default: float) -> float:
+    """Seconds from environment variable ``name`` (read now): unset or empty gives
+    ``default``; ConfigError naming it unless a number >= 0."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise ConfigError(f"{name}: expected seconds >= 0, got {raw!r}")
+    return value
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":

@@ -38,7 +38,7 @@ from .rawbatch import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, do
                        prepare, view_batch)
 from .ring import BatchRing, RingBatch
 from .segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
-from .shardio import Run, ShardSource, cache_namespace
+from .shardio import Run, ShardSource, cache_namespace, room_wait
 from .topology import FromParent, Topology, current
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.verify = self.verify
             source.ahead_segments = window if self.shuffle else prefetch
             return source
-        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify)
+        # room_wait: a reader never waits long for room other readers' pins hold (they may be
+        # waiting for it, in a collective): it reads that shard around the cache instead.
+        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds), verify=self.verify,
+                           room_wait=room_wait())
         budget = self._pin_budget(topo)
         fits = sum(i.bytes for i in self.ds.shard_list) <= self.cache_limit  # then nothing is fetched twice
         if budget < window and not fits and not _warned_small_cache:
@@ -642,7 +645,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         epoch that prefetches well shows hits, and its downloads under ``prefetched``),
         ``prefetched`` (background downloads), ``prefetch_skipped``, ``landed``
         (downloads through a landing buffer, see landing), ``evictions``, ``corrupt_refetches``,
-        ``direct_reads`` (ranged reads without cache),
+        ``direct_reads`` (ranged reads without cache), ``uncached_reads`` (shards read from
+        storage into memory because pins of other readers on the node held the cache's room
+        for ``SHARDKIT_ROOM_WAIT`` seconds, default 5: cache_limit is too small),
         ``samples``, ``wait_seconds`` (time blocked on data) and ``wait_seconds_per_worker``.
         Workers write snapshots about once a second and at the end of each epoch.
         """
@@ -658,7 +663,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 total[k] = total.get(k, 0) + v
             per_worker[os.path.basename(path)[6:-5]] = data.get("wait_seconds", 0.0)
         for k in ("bytes_fetched", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "evictions",
-                  "corrupt_refetches", "direct_reads", "samples"):
+                  "corrupt_refetches", "direct_reads", "uncached_reads", "samples"):
             total[k] = int(total.get(k, 0))
         total.setdefault("wait_seconds", 0.0)
         total["wait_seconds_per_worker"] = per_worker

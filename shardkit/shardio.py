@@ -13,6 +13,7 @@ so a shuffled run of one sample costs a dict lookup, not an open/flock/mmap.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import time
@@ -23,10 +24,14 @@ import numpy as np
 import xxhash
 
 from . import ranged, segments
-from .cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
+from .cache import CachedShard, Fetch, FetchInto, NoRoomError, ShardCache, ShardRef, reports_parts
+from .config import env_seconds
+from .errors import IntegrityError
 from .reader import Dataset, FieldLayout, ShardInfo, ShardRows, verify_samples
 from .segments import SegmentPlanner
 from .storage import Store
+
+log = logging.getLogger(__name__)
 
 Run = tuple[int, np.ndarray]
 # What a source holds open: a cached shard (its id), or a (shard, segment) read without a cache.
@@ -45,6 +50,18 @@ FETCH_CONCURRENCY = 2
 # Segments can be small (a worker's batch of small samples), so a few run in parallel.
 READ_AHEAD_THREADS = 4
 MAX_READS_AHEAD = 16
+# Seconds a reader waits for cache room that shards pinned by other readers on the node hold,
+# before it reads the shard from storage without caching it (SHARDKIT_ROOM_WAIT overrides).
+# Those readers may not let go while it waits: a DDP rank whose reader sits on its shard while
+# the training loop is in a collective waits for this rank's step. A few seconds covers a
+# reader finishing its batch; anything longer means cache_limit is too small for the node.
+ROOM_WAIT_SECONDS = 5.0
+_warned_no_room = False
+
+
+def room_wait() -> float:
+    """:data:`ROOM_WAIT_SECONDS`, or ``SHARDKIT_ROOM_WAIT`` (seconds, read now)."""
+    return env_seconds("SHARDKIT_ROOM_WAIT", ROOM_WAIT_SECONDS)
 
 
 def cache_namespace(ds: Dataset) -> str:
@@ -135,6 +152,7 @@ class ShardSource:
         self._fetched_mu = threading.Lock()  # the cache's prefetch thread counts too
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
+        self.uncached_reads = 0  # shards read around a cache that had no room (see _uncached)
         self.wait_seconds = 0.0
         self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
@@ -235,8 +253,12 @@ class ShardSource:
         self.release(upcoming)
         t0 = time.perf_counter()
         if self.cache is not None:
-            handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
-            held = Held(0, handle.ref.size, handle=handle, keep_map=self.keep_maps)
+            try:
+                handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
+            except NoRoomError as exc:
+                held = self._uncached(shard, exc)
+            else:
+                held = Held(0, handle.ref.size, handle=handle, keep_map=self.keep_maps)
         else:
             assert isinstance(key, tuple)
             held = self._direct(key)
@@ -280,9 +302,10 @@ class ShardSource:
 
     def release_all(self) -> None:
         """Unpin every held shard (bytes already handed out stay valid: they are copies, or
-        views that keep their mapping alive)."""
-        for shard in list(self._held):
-            self._drop(shard)
+        views that keep their mapping alive). Bytes held in memory pin nothing and stay (a
+        shard read around the cache would otherwise be read again for the next batch)."""
+        for key in [key for key, held in self._held.items() if held.handle is not None]:
+            self._drop(key)
 
     def release(self, upcoming: Sequence[HeldKey]) -> None:
         """Close held shards (segments) not in ``upcoming`` (and the oldest shards beyond
@@ -310,6 +333,26 @@ class ShardSource:
                 if not h.users:
                     h.close()
             self._closing = busy
+
+    def _uncached(self, shard: int, why: NoRoomError) -> Held:
+        """The whole shard read from storage into memory, past a cache whose room other
+        readers' pins hold, and checked like a cache download (size and xxh3-128)."""
+        global _warned_no_room
+        info = self.ds.shard_list[shard]
+        if not _warned_no_room:
+            _warned_no_room = True
+            log.warning("%s; reading it from storage without caching it (as any shard that finds no room): "
+                        "cache_limit is too small for the readers on this node (ranks x DataLoader workers, "
+                        "each holding a shard); raise cache_limit", why)
+        data = ranged.read_range(self.store, info.path, 0, info.bytes, FETCH_PART_SIZE, FETCH_CONCURRENCY)
+        view = memoryview(data)  # type: ignore[arg-type]  # numpy arrays are buffers
+        with self._fetched_mu:
+            self.bytes_fetched += len(view)
+            self.uncached_reads += 1
+        if xxhash.xxh3_128_hexdigest(view) != info.checksum.lower():
+            raise IntegrityError(f"shard {info.path}: read from storage (the cache had no room), its "
+                                 f"{info.bytes} bytes do not match the manifest's xxh3 {info.checksum}")
+        return Held(0, info.bytes, data=view)
 
     # ---- direct (no cache) reads ----------------------------------------------------------
 
@@ -386,6 +429,7 @@ class ShardSource:
     def stats(self) -> dict[str, float]:
         """Counters of this source: bytes fetched from storage, cache counters, waits."""
         out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched), "direct_reads": float(self.direct_reads),
+                                 "uncached_reads": float(self.uncached_reads),
                                  "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
                                  "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0}
         if self.cache is not None:

@@ -248,3 +248,44 @@ def test_small_shared_cache_with_a_collective_per_step_reaches_the_end(
         assert Counter(seen) == Counter(keys)  # 600 divides by the world size: no padding
         assert all(r["epochs"][e]["steps"] == r["len"] for r in res)
     assert 0 < peak[0] <= limit
+    # Shards were unpinned in time: no reader had to give up on the cache and read around it.
+    assert sum(r["stats"]["uncached_reads"] for r in res) == 0
+
+
+HOLDER = """
+import sys, time, shardkit
+from shardkit.cache import ShardCache
+from shardkit.shardio import ShardSource, cache_namespace, shard_ref
+ds = shardkit.open_dataset(sys.argv[1])
+cache = ShardCache(sys.argv[2], int(sys.argv[3]), namespace=cache_namespace(ds))
+held = cache.open(shard_ref(ds.shard_list[int(sys.argv[4])]), ShardSource(ds, None).fetch)
+print("pinned", flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_read_around_room_that_a_stopped_reader_holds(s3_jpegs: tuple[str, set[str], Any], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process on the node keeps the cache's only room pinned for good (stopped, or a rank of
+    # another job in a collective): the ranks read the shards they cannot cache from storage
+    # after SHARDKIT_ROOM_WAIT seconds each, and finish the epoch instead of waiting for room.
+    url, keys, ds = s3_jpegs
+    sizes = ds.shards.column("bytes").to_pylist()
+    limit = max(sizes) + max(sizes) // 2
+    cache = tmp_path / "cache"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, url, str(cache), str(limit), str(sizes.index(max(sizes)))],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "pinned"
+        monkeypatch.setenv("SHARDKIT_ROOM_WAIT", "0.5")
+        with peak_size(cache) as peak:
+            res = run_ranks(tmp_path, 2, [str(cache)] * 2, timeout=60, url=url, cache_limit=limit, shuffle=False,
+                            batch_size=64, num_workers=0, decode="crop", all_reduce=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    seen = [k for r in res for k in r["epochs"][0]["keys"]]
+    assert Counter(seen) == Counter(keys)
+    assert all(r["epochs"][0]["steps"] == r["len"] for r in res)
+    assert 0 < peak[0] <= limit
+    assert sum(r["stats"]["uncached_reads"] for r in res) > 0

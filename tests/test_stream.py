@@ -20,8 +20,11 @@ from torch.utils.data import DataLoader
 
 import shardkit
 from shardkit import StreamingDataLoader, StreamingDataset
+from shardkit import shardio
 from shardkit.batching import unpack
+from shardkit.cache import ShardCache
 from shardkit.errors import ConfigError, IntegrityError
+from shardkit.shardio import ShardSource, cache_namespace, shard_ref
 
 N = 600  # divisible by 1, 2, 3, 4
 
@@ -807,3 +810,39 @@ def test_the_last_item_leaves_no_shard_pinned(local_ds: tuple[str, dict[str, byt
     assert len(keys_of(items)) == (256 if kw.get("drop_last") else 300)
     with pytest.raises(StopIteration):
         next(it)
+
+
+@pytest.mark.parametrize("kw", [{}, {"batch_size": 64}, {"batch_size": 64, "zero_copy": True}],
+                         ids=["samples", "raw", "views"])
+def test_a_reader_reads_around_a_cache_whose_room_other_readers_hold(
+        local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, kw: dict[str, Any]) -> None:
+    # Another reader on the node sits on the only room (a stopped process, or a DDP rank in a
+    # collective waiting for this one): after SHARDKIT_ROOM_WAIT seconds the reader reads each
+    # shard it cannot cache from storage, checked as a download is, instead of waiting for good.
+    url, content = local_ds
+    ds = shardkit.open_dataset(url)
+    biggest = max(ds.shards.column("bytes").to_pylist())
+    limit = biggest + biggest // 2
+    other = ShardCache(tmp_path / "c", limit, namespace=cache_namespace(ds))
+    big = max(ds.shard_list, key=lambda i: i.bytes)
+    held = other.open(shard_ref(big), ShardSource(ds, None).fetch)
+    monkeypatch.setenv("SHARDKIT_ROOM_WAIT", "0.05")
+    monkeypatch.setattr(shardio, "_warned_no_room", False)
+    try:
+        s = StreamingDataset(url, cache_dir=tmp_path / "c", cache_limit=limit, **kw)
+        with caplog.at_level("WARNING", logger="shardkit"):
+            items = list(s)
+        assert other.usage() <= limit
+    finally:
+        held.close()
+        other.close()
+    got = {}
+    for item in items:
+        if "bin.offsets" in item:
+            item = {"__key__": item["__key__"], "bin": unpack(item, "bin")}
+        for key, body in zip(*((item["__key__"], item["bin"]) if kw else ([item["__key__"]], [item["bin"]]))):
+            got[key] = bytes(body)
+    assert got == content and len(keys_of(items)) == N
+    assert s.stats()["uncached_reads"] > 0
+    assert caplog.text.count("too small for the readers on this node") == 1
