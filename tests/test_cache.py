@@ -7,6 +7,7 @@ byte, pid) to a file with O_APPEND, so calls from several processes can be count
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import multiprocessing as mp
 import os
@@ -171,6 +172,21 @@ def _holder(cache_dir: str, limit: int, refs: list[ShardRef], remote: Remote, re
     release.wait(30)
     for s in shards:
         s.close()
+
+
+@contextlib.contextmanager
+def pinned_elsewhere(s: Store, limit: int, refs: list[ShardRef]) -> Iterator[Any]:
+    """Another process holds ``refs`` open (pinned) in the cache until the yielded event is set."""
+    ready, release = SPAWN.Event(), SPAWN.Event()
+    holder = SPAWN.Process(target=_holder, args=(s.cache_dir, limit, refs, s.remote, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(30)
+        yield release
+    finally:
+        release.set()
+        holder.join(10)
+    assert holder.exitcode == 0
 
 
 def _open_one(cache_dir: str, limit: int, ref: ShardRef, remote: Remote, out: Any = None) -> None:
@@ -442,38 +458,29 @@ def test_pinned_shards_are_never_evicted(tmp_path: Path, monkeypatch: pytest.Mon
     s = make_store(tmp_path, [1 * MB] * 4)
     x, y, z, w = s.refs
     limit = int(2.5 * MB)
-    ready, release = SPAWN.Event(), SPAWN.Event()
-    holder = SPAWN.Process(target=_holder, args=(s.cache_dir, limit, [x], s.remote, ready, release))
-    holder.start()
-    try:
-        assert ready.wait(30)
-        with s.cache(limit) as cache:
-            assert read_ok(cache, y, s.remote, s.remote)
-            assert read_ok(cache, z, s.remote, s.remote)  # must evict y: x is pinned by the holder
+    with pinned_elsewhere(s, limit, [x]) as release, s.cache(limit) as cache:
+        assert read_ok(cache, y, s.remote, s.remote)
+        assert read_ok(cache, z, s.remote, s.remote)  # must evict y: x is pinned by the holder
+        assert s.cached() == {x.name, z.name}
+        with cache.open(z, s.remote):  # now x and z are both pinned: w cannot fit
+            t0 = time.monotonic()
+            with pytest.raises(CacheFullError) as err:
+                s.cache(limit, wait_timeout=0.4).open(w, s.remote)
+            assert time.monotonic() - t0 >= 0.4
+            msg = str(err.value)
+            assert msg.startswith("cache_limit 2.6 MB too small: 2 shards in use by readers hold 2.1 MB")
+            assert w.name in msg and "\n" not in msg
+            assert isinstance(err.value, ShardkitError)
             assert s.cached() == {x.name, z.name}
-            with cache.open(z, s.remote):  # now x and z are both pinned: w cannot fit
-                t0 = time.monotonic()
-                with pytest.raises(CacheFullError) as err:
-                    s.cache(limit, wait_timeout=0.4).open(w, s.remote)
-                assert time.monotonic() - t0 >= 0.4
-                msg = str(err.value)
-                assert msg.startswith("cache_limit 2.6 MB too small: 2 shards in use by readers hold 2.1 MB")
-                assert w.name in msg and "\n" not in msg
-                assert isinstance(err.value, ShardkitError)
-                assert s.cached() == {x.name, z.name}
-                # the holder lets go of x while we wait: the open goes through
-                threading.Timer(0.5, release.set).start()
-                waiter = s.cache(limit, wait_timeout=20)
-                monkeypatch.setattr(cache_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
-                with caplog.at_level("WARNING", logger="shardkit.cache"):
-                    assert read_ok(waiter, w, s.remote, s.remote)
-                assert waiter.stats()["wait_seconds"] >= 0.3
-                assert f"{w.name} waits" in caplog.text and "keep 2 shards open" in caplog.text
-                assert s.cached() == {z.name, w.name}
-    finally:
-        release.set()
-        holder.join(10)
-    assert holder.exitcode == 0
+            # the holder lets go of x while we wait: the open goes through
+            threading.Timer(0.5, release.set).start()
+            waiter = s.cache(limit, wait_timeout=20)
+            monkeypatch.setattr(cache_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
+            with caplog.at_level("WARNING", logger="shardkit.cache"):
+                assert read_ok(waiter, w, s.remote, s.remote)
+            assert waiter.stats()["wait_seconds"] >= 0.3
+            assert f"{w.name} waits" in caplog.text and "keep 2 shards open" in caplog.text
+            assert s.cached() == {z.name, w.name}
 
 
 def test_room_held_by_pinned_shards_gives_up_after_room_wait(tmp_path: Path) -> None:
@@ -482,11 +489,7 @@ def test_room_held_by_pinned_shards_gives_up_after_room_wait(tmp_path: Path) -> 
     s = make_store(tmp_path, [1 * MB] * 3)
     x, y, z = s.refs
     limit = int(1.5 * MB)
-    ready, release = SPAWN.Event(), SPAWN.Event()
-    holder = SPAWN.Process(target=_holder, args=(s.cache_dir, limit, [x], s.remote, ready, release))
-    holder.start()
-    try:
-        assert ready.wait(30)
+    with pinned_elsewhere(s, limit, [x]):
         cache = s.cache(limit, room_wait=0.3, wait_timeout=30)
         t0 = time.monotonic()
         with pytest.raises(NoRoomError) as err:
@@ -497,10 +500,6 @@ def test_room_held_by_pinned_shards_gives_up_after_room_wait(tmp_path: Path) -> 
         dl = FileLock.try_take(str(Path(s.cache_dir) / NS / ".locks" / f"{file_name(y.name)}.dl"), fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert dl is not None  # nor its download lock
         dl.release()
-    finally:
-        release.set()
-        holder.join(10)
-    assert holder.exitcode == 0
     # Room held only by a download in flight is waited for: downloads end.
     dl = FileLock.take(str(Path(s.cache_dir) / NS / ".locks" / f"{file_name(z.name)}.dl"))
     tmp = Path(s.cache_dir) / NS / ".tmp" / f"{file_name(z.name)}.{z.size}.{os.getpid()}"
