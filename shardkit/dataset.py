@@ -636,6 +636,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             write_replace(path, json.dumps(total).encode())
         except OSError:
             pass  # statistics are best effort; never fail a training step over them
+        except NameError:
+            # An iterator left unfinished is closed at interpreter exit, after builtins such
+            # as open are gone: Python would print this as "Exception ignored" in every log.
+            if not final:
+                raise
 
     def stats(self) -> dict[str, Any]:
         """Counters of this rank since the dataset was made, summed over its processes.
