@@ -310,8 +310,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                            room_wait=room_wait())
         budget = self._pin_budget(topo)
         fits = sum(i.bytes for i in self.ds.shard_list) <= self.cache_limit  # then nothing is fetched twice
-        if budget < window and not fits and not _warned_small_cache:
-            _warn_small_cache(self.cache_limit, budget, window)
+        # Shards come back only if a reader cannot keep open those it reads from at once:
+        # a shuffle block's, or in order the one shard (workers take turns in it).
+        at_once = self.shuffle_block if self.shuffle else 1
+        if budget < at_once and not fits and not _warned_small_cache:
+            _warn_small_cache(self.cache_limit, budget, at_once, self._readers_per_node(topo),
+                              max((i.bytes for i in self.ds.shard_list), default=0))
         return ShardSource(self.ds, cache, prefetch, max_open=max(1, min(window, budget)))
 
     def _pin_budget(self, topo: Topology) -> int:
@@ -319,8 +323,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         holds; with a small cache_limit a process holds one shard at a time, so that pins
         alone can never fill the cache."""
         biggest = max((i.bytes for i in self.ds.shard_list), default=1) or 1
-        procs = _local_world(topo) * (self.loader_workers or topo.num_workers)
-        return int(self.cache_limit // (biggest * procs) - 1)
+        return int(self.cache_limit // (biggest * self._readers_per_node(topo)) - 1)
+
+    def _readers_per_node(self, topo: Topology) -> int:
+        return _local_world(topo) * (self.loader_workers or topo.num_workers)
 
     def __iter__(self) -> Iterator[Any]:
         topo = current(self.rank, self.world_size, self._parent)
@@ -741,14 +747,18 @@ class _Later(Sequence[Run]):
 _warned_small_cache = False
 
 
-def _warn_small_cache(limit: int, budget: int, window: int) -> None:
+def _warn_small_cache(limit: int, budget: int, at_once: int, readers: int, biggest: int) -> None:
     # Works, within the limit, but shards leave the cache before their readers are done with
     # them and come back: a cold epoch's traffic several times over, which users should hear of.
+    # budget: shards a reader may keep open, one shard's room per reader kept for downloads.
     global _warned_small_cache
     _warned_small_cache = True
-    log.warning("cache_limit %s leaves each reader room for %d open shard(s), fewer than the %d it reads ahead "
-                "(shuffle block + prefetch): shards may be fetched many times per epoch; raise cache_limit",
-                human_bytes(limit), max(budget, 0) + 1, window)
+    what = f"the {at_once} shards of a shuffle block it reads from at once" if at_once > 1 else "the shard it reads"
+    log.warning("cache_limit %s lets each of the %d reading process(es) on this node (ranks x DataLoader workers) "
+                "keep %d shard(s) of up to %s open beside one download, fewer than %s: shards may be fetched "
+                "several times per epoch; raise cache_limit to %s or more%s", human_bytes(limit), readers,
+                max(budget, 0), human_bytes(biggest), what, human_bytes((at_once + 1) * biggest * readers),
+                " (or lower shuffle_block)" if at_once > 1 else "")
 
 
 def _local_world(topo: Topology) -> int:

@@ -24,6 +24,7 @@ import shardkit
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit import shardio
 from shardkit.batching import unpack
+from shardkit.config import human_bytes
 from shardkit.cache import ShardCache
 from shardkit.errors import ConfigError, IntegrityError
 from shardkit.shardio import ShardSource, cache_namespace, shard_ref
@@ -446,7 +447,7 @@ def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path
     assert "corrupt" not in caplog.text
 
 
-def test_a_cache_too_small_for_the_read_ahead_is_warned_about_once(local_ds: tuple[str, dict[str, bytes]],
+def test_a_cache_too_small_for_what_a_reader_reads_at_once_is_warned_about_once(local_ds: tuple[str, dict[str, bytes]],
                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     from shardkit import dataset
@@ -461,7 +462,20 @@ def test_a_cache_too_small_for_the_read_ahead_is_warned_about_once(local_ds: tup
         small = StreamingDataset(url, cache_dir=tmp_path / "small", cache_limit=3 * biggest, shuffle=True)
         assert sorted(keys_of(small)) == sorted(content)  # still works, within the limit
         assert sorted(keys_of(small)) == sorted(content)
-    assert caplog.text.count("fetched many times per epoch") == 1
+    assert caplog.text.count("fetched several times per epoch") == 1
+    # Its figures agree: 3 shards of room, one kept for a download, fewer than a shuffle block.
+    block = small.shuffle_block
+    assert f"keep 2 shard(s) of up to {human_bytes(biggest)} open beside one download, fewer than the {block} " \
+           "shards of a shuffle block" in caplog.text
+    assert f"raise cache_limit to {human_bytes((block + 1) * biggest)} or more (or lower shuffle_block)" in caplog.text
+    # In order, a reader reads one shard at a time: room for it and a download is enough.
+    monkeypatch.setattr(dataset, "_warned_small_cache", False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shardkit"):
+        tight = StreamingDataset(url, cache_dir=tmp_path / "tight", cache_limit=2 * biggest)
+        assert sorted(keys_of(tight)) == sorted(content)
+    assert "cache_limit" not in caplog.text
+    assert tight.stats()["bytes_fetched"] == sum(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
     # A dataset that fits the limit whole is fetched once, however little room each reader has.
     monkeypatch.setattr(dataset, "_warned_small_cache", False)
     caplog.clear()
