@@ -38,8 +38,10 @@ _PLANS_KEPT = 64  # shard plans one reader keeps (a shuffle block needs a few at
 WASTE_WARNING = 1.5  # read / needed bytes of a shard above which a reader says so, once
 _warned = False  # this process has warned, or been told another reader of its rank did
 # Why a reader needs only a scattered part of a shard, for the warning (the caller knows which).
-SPREAD_OVER_WORKERS = ("DataLoader workers take turns in batches, and in a shuffled order a shard's small samples "
-                       "are spread over all of them")
+SPREAD_OVER_WORKERS = ("DataLoader workers take turns in batches, so its siblings' samples lie between its own in "
+                       "every shard, and gaps under 1 MiB are read through (cheaper than a request each): batches "
+                       "under 1 MiB, or a shuffled order, which spreads each shard's samples over all batches (in "
+                       "order, batches of 1 MiB or more avoid it)")
 SHARE_EDGE = ("its share of the shuffled epoch (a rank's part, or what a resumed epoch has left) starts or ends "
               "inside a shuffle block, so it needs a scattered part of that block's shards' small samples "
               "(a smaller shuffle_block narrows this)")
@@ -177,9 +179,10 @@ class SegmentPlanner:
 
 
 def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[], bool] | None, why: str) -> None:
-    # DataLoader workers reading a shuffled order without a cache each need a random share of
-    # every shard; when their samples are small, the gaps between them are too, and reading
-    # them beats a request per sample, so each worker fetches most of the shard. A single
+    # DataLoader workers reading without a cache each need every N-th batch of a shard (and in
+    # a shuffled order a random share of it); where the gaps between a worker's samples (its
+    # siblings' batches) are small, reading them beats a request each, so each worker fetches
+    # most of the shard. A single
     # reader meets the same where its contiguous part of the epoch order begins or ends inside
     # a shuffle block (ranks split the order; a resumed epoch has a consumed part cut out):
     # at most two blocks per share, but with small shares or datasets that is most of it.

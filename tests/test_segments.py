@@ -131,3 +131,24 @@ def test_a_reader_another_has_spoken_for_stays_quiet(monkeypatch: pytest.MonkeyP
             planner.plan(0), planner.plan(1)
         assert caplog.text.count("reading without a cache") == expected
     assert len(asked) == 2
+
+
+def test_workers_in_order_overfetch_only_with_batches_under_the_gap(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Unshuffled too, worker 0 of 2 needs every other batch of a shard: small batches leave
+    # gaps cheaper to read through (and the warning says so, not "a shuffled order"); batches
+    # over GAP_BYTES are read alone.
+    order = EpochOrder([800, 800], shuffle=False)
+    rows = fake_rows(order, 1)  # ~3 KB per sample with its header
+    span = {s: int(rows[s].offset[-1] + rows[s].size[-1] - rows[s].offset[0]) for s in (0, 1)}
+    for chunk, warned in ((16, 1), (400, 0)):  # ~48 KB and ~1.2 MB batches
+        monkeypatch.setattr(segments, "_warned", False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardkit"):
+            planner = SegmentPlanner(order, worker_ranges([(0, 1600)], 0, 2, chunk), rows.__getitem__)
+            read = [int(np.sum(p.hi - p.lo)) for p in (planner.plan(0), planner.plan(1))]
+        assert caplog.text.count("reading without a cache") == warned
+        if warned:
+            assert "batches under 1 MiB" in caplog.text and read[0] > 0.95 * span[0]  # most of the shard
+        else:
+            assert read[0] < 0.6 * span[0] and read[1] < 0.6 * span[1]  # its own half of each
