@@ -152,7 +152,7 @@ class ShardSource:
         self._fetched_mu = threading.Lock()  # the cache's prefetch thread counts too
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
-        self.uncached_reads = 0  # shards read around a cache that had no room (see _uncached)
+        self.uncached_reads = 0  # shards read around a cache that had no room (see read_uncached)
         self.wait_seconds = 0.0
         self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
         self._closing: list[Held] = []  # let go of, but a copy in another thread still reads it
@@ -256,7 +256,7 @@ class ShardSource:
             try:
                 handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
             except NoRoomError as exc:
-                held = self._uncached(shard, exc)
+                held = Held(0, self.ds.shard_list[shard].bytes, data=self.read_uncached(shard, exc))
             else:
                 held = Held(0, handle.ref.size, handle=handle, keep_map=self.keep_maps)
         else:
@@ -334,7 +334,7 @@ class ShardSource:
                     h.close()
             self._closing = busy
 
-    def _uncached(self, shard: int, why: NoRoomError) -> Held:
+    def read_uncached(self, shard: int, why: NoRoomError) -> memoryview:
         """The whole shard read from storage into memory, past a cache whose room other
         readers' pins hold, and checked like a cache download (size and xxh3-128)."""
         global _warned_no_room
@@ -352,7 +352,7 @@ class ShardSource:
         if xxhash.xxh3_128_hexdigest(view) != info.checksum.lower():
             raise IntegrityError(f"shard {info.path}: read from storage (the cache had no room), its "
                                  f"{info.bytes} bytes do not match the manifest's xxh3 {info.checksum}")
-        return Held(0, info.bytes, data=view)
+        return view
 
     # ---- direct (no cache) reads ----------------------------------------------------------
 

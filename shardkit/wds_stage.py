@@ -11,6 +11,12 @@ this rank / DataLoader worker / epoch, in :class:`~shardkit.partition.EpochOrder
 prefetching the next ones into the cache. Each shard stays pinned (never evicted) until the
 pipeline asks for the next one, i.e. while downstream stages read it.
 
+A shard that finds no room in the cache for ``SHARDKIT_ROOM_WAIT`` seconds (default 5)
+because other readers keep theirs open (DataLoader workers take turns, so a worker waiting for
+room may be the one its sibling waits for) is read from storage into memory instead, checked
+against the manifest, and yielded as a ``shardkit-mem://`` URL that the stage registers in
+WebDataset's ``gopen_schemes``: the pipeline goes on, and a warning says to raise cache_limit.
+
 The split is by whole shards: the epoch's shard order is dealt round-robin over
 ``world_size x num_workers`` readers, so readers' shard counts differ by one where the
 shards do not divide evenly (nothing is repeated to pad them), and sample counts per rank
@@ -21,16 +27,19 @@ fixed length with ``.with_epoch(n)``).
 
 from __future__ import annotations
 
+import importlib
+import io
+import itertools
 import os
 from typing import Any, Iterator
 
-from .cache import ShardCache
+from .cache import NoRoomError, ShardCache
 from .config import int_arg, parse_size
 from .control import ControlDir
 from .errors import ConfigError
 from .partition import DEFAULT_BLOCK_SHARDS, EpochOrder
 from .reader import Dataset
-from .shardio import ShardSource, cache_namespace, shard_ref
+from .shardio import ShardSource, cache_namespace, room_wait, shard_ref
 from .topology import FromParent, current
 
 try:
@@ -88,17 +97,70 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         mine = self.shards()
-        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds))
+        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
+                           room_wait=room_wait())
         source = ShardSource(self.ds, cache, self.prefetch)
         infos = self.ds.shard_list
         try:
             source.plan(mine)
             for i, shard in enumerate(mine):
                 source.advance(mine[i + 1:i + 1 + self.prefetch])
-                with cache.open(shard_ref(infos[shard]), source.fetch) as cached:
+                try:
+                    cached = cache.open(shard_ref(infos[shard]), source.fetch)
+                except NoRoomError as exc:
+                    url = _hold_in_memory(source.read_uncached(shard, exc), infos[shard].path)
+                    try:
+                        yield {"url": url, "__shard__": infos[shard].path}
+                    finally:
+                        _IN_MEMORY.pop(url, None)  # opened by now, or never will be
+                    continue
+                with cached:
                     yield {"url": cached.path, "__shard__": infos[shard].path}
         finally:
             source.close()
 
     def __call__(self) -> Iterator[dict[str, Any]]:
         return iter(self)
+
+
+MEM_SCHEME = "shardkit-mem"
+_IN_MEMORY: dict[str, memoryview] = {}  # shards read around a full cache, until gopen takes them
+_numbers = itertools.count()
+
+
+def _hold_in_memory(data: memoryview, shard_path: str) -> str:
+    """A URL WebDataset's gopen opens as a stream over ``data`` (once, in this process)."""
+    schemes = importlib.import_module("webdataset.gopen").gopen_schemes
+    schemes.setdefault(MEM_SCHEME, _open_in_memory)
+    url = f"{MEM_SCHEME}://{os.getpid()}/{next(_numbers)}/{shard_path}"
+    _IN_MEMORY[url] = data
+    return url
+
+
+def _open_in_memory(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> io.BufferedReader:
+    data = _IN_MEMORY.pop(url, None)
+    if data is None or mode != "rb":
+        raise FileNotFoundError(f"{url}: a shard shardkit read around a full cache opens once, for reading, "
+                                "in the process that yielded it")
+    return io.BufferedReader(_MemoryReader(data))
+
+
+class _MemoryReader(io.RawIOBase):
+    """A read-only stream over a memoryview (io.BytesIO would copy a whole shard)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data, self._pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        out = memoryview(buf).cast("B")
+        n = min(len(out), len(self._data) - self._pos)
+        out[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._data = memoryview(b"")  # the shard's memory goes with the last reader of it
+        super().close()

@@ -96,3 +96,33 @@ def test_readers_get_whole_shards_round_robin_without_padding(ds_url: str, tmp_p
            for r in range(world)]
     assert sorted(s for g in got for s in g) == list(range(n))
     assert {len(g) for g in got} == {n // world, n // world + 1}
+
+
+def test_workers_sharing_a_cache_too_small_for_both_read_around_it(ds_url: str, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Room for 1.5 shards and 2 workers taking turns: each keeps its shard open while the
+    # loader waits on the other, which waited for that room (600 s) before. After the room
+    # wait, a shard is read into memory and opened by the pipeline as a shardkit-mem URL.
+    monkeypatch.setenv("SHARDKIT_ROOM_WAIT", "0.3")
+    biggest = max(i.bytes for i in shardkit.open_dataset(ds_url).shard_list)
+    stage = wds_shards(ds_url, cache_dir=tmp_path, cache_limit=int(biggest * 1.5), prefetch=0)
+    pipe = wds.DataPipeline(stage, wds.tarfile_to_samples(), wds.decode("pil"), wds.batched(4))
+    urls: list[str] = []
+    got: dict[str, bytes] = {}
+    for b in DataLoader(pipe, batch_size=None, num_workers=2, timeout=60):
+        urls += b["__url__"]
+        got.update((k, np.asarray(img).tobytes()) for k, img in zip(b["__key__"], b["png"]))
+    assert len(got) == 120 and len(urls) == 120  # every sample once
+    assert any(u.startswith("shardkit-mem://") for u in urls) and any(u.startswith(str(tmp_path)) for u in urls)
+    ref = {s["__key__"]: np.asarray(s["png"]).tobytes() for s in shardkit.StreamingDataset(ds_url, decode="pil")}
+    assert got == ref
+
+
+def test_an_in_memory_shard_url_opens_once() -> None:
+    from shardkit import wds_stage
+
+    url = wds_stage._hold_in_memory(memoryview(b"abc" * 5000), "shards/x.tar")
+    with wds.gopen(url) as stream:
+        assert stream.read() == b"abc" * 5000
+    with pytest.raises(FileNotFoundError, match="opens once"):
+        wds.gopen(url)
