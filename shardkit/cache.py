@@ -46,12 +46,12 @@ from .cachefs import (
     unlink_quiet,
     verified_stamp_ns,
 )
-from .errors import CacheFullError, ConfigError, IntegrityError, StorageStalledError
+from .errors import CacheFullError, ConfigError, IntegrityError, ShardkitError, StorageStalledError
 from .keptmaps import KEPT
 from .landing import LANDING, DirectWriter, Landing
 
 __all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_positional", "ShardCache",
-           "CachedShard", "CacheFullError", "NoRoomError"]
+           "CachedShard", "CacheFullError", "NoRoomError", "CacheGoneError"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ class _NoRoom(Exception):
 class NoRoomError(CacheFullError):
     """An open waited ``room_wait`` seconds while shards pinned by readers left no room for
     its shard (see :class:`ShardCache`): the caller reads the shard around the cache."""
+
+
+class CacheGoneError(ShardkitError, FileNotFoundError):
+    """The cache's directory was removed while readers used it."""
 
 
 class CachedShard:
@@ -285,9 +289,21 @@ class ShardCache:
             IntegrityError: the download disagrees with ``ref`` twice in a row.
             CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
             NoRoomError: with ``room_wait``, pinned shards left no room for that long.
+            CacheGoneError: the cache directory was removed while in use.
             Whatever ``fetch`` raises (the partial download is kept and resumed next time;
             after a positional fetch the reservation is kept and the next time starts from 0).
         """
+        try:
+            return self._open(ref, fetch, landing)
+        except FileNotFoundError as exc:
+            if os.path.isdir(os.path.join(self._root, self._ns, ".locks")):
+                raise  # not the cache's own files (a fetch from a local dataset, say)
+            # Made again here, its locks would not be the ones other readers hold: stop.
+            raise CacheGoneError(f"cache_dir {self._root} was removed while readers used it (a tmp cleaner, "
+                                 f"another job's cleanup?): shard {ref.name} cannot be cached; restart the job, "
+                                 "which makes the cache again") from exc
+
+    def _open(self, ref: ShardRef, fetch: Fetch | FetchInto, landing: bool) -> CachedShard:
         if ref.size < 0:
             raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
         if ref.size > self._limit:

@@ -881,3 +881,23 @@ def test_a_reader_reads_around_a_cache_whose_room_other_readers_hold(
     assert got == content and len(keys_of(items)) == N
     assert s.stats()["uncached_reads"] > 0
     assert caplog.text.count("too small for the readers on this node") == 1
+
+
+def test_a_cache_dir_removed_mid_epoch_stops_with_one_clear_error(local_ds: tuple[str, dict[str, bytes]],
+                                                                  tmp_path: Path) -> None:
+    from shardkit.cache import CacheGoneError
+
+    url, content = local_ds
+    cache = tmp_path / "cache"
+    biggest = max(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    ds = StreamingDataset(url, cache_dir=cache, cache_limit=3 * biggest, prefetch=0)
+    n = 0
+    with pytest.raises(CacheGoneError) as err:
+        for s in ds:
+            assert bytes(s["bin"]) == content[s["__key__"]]  # nothing wrong before it stops
+            n += 1
+            if n == 5:
+                shutil.rmtree(cache)
+    msg = str(err.value)
+    assert msg.startswith(f"cache_dir {cache} was removed while readers used it") and "\n" not in msg
+    assert isinstance(err.value, shardkit.errors.ShardkitError) and n < N
