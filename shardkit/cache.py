@@ -641,7 +641,8 @@ class ShardCache:
                 if time.monotonic() >= next_note:  # a reader paused or slow elsewhere on the node: say so
                     next_note += WAIT_NOTE_SECONDS
                     log.warning("cache: %s waits %.0f s for room in %s: readers on this node keep %d shards "
-                                "open (a paused or stopped process?); CacheFullError after %.0f s",
+                                "open (cache_limit too small for them, or a paused or stopped process?); "
+                                "CacheFullError after %.0f s",
                                 ref.name, waited, self._root, sum(1 for e in blockers or [] if not e.temp),
                                 self._wait_timeout)
                 time.sleep(_POLL)
