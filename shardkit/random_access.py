@@ -338,8 +338,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return self._cache
 
     def _fetch_shard(self, ref: Any, out: Any, start: int) -> None:
-        self.ds.store.fetch_into(ref.name, out, start, ref.size,
-                                 progress=lambda n: self._counter.add(n))
+        self.ds.store.fetch_into(ref.name, out, start, ref.size, progress=lambda n: self._counter.add(n),
+                                 on_request=lambda: self._counter.add(requests=1))
 
     def _cached(self, info: ShardInfo) -> CachedShard | None:
         """The mapped shard if it is in the cache (or ``cache_shards`` fetches it), else None."""

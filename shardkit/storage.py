@@ -635,17 +635,21 @@ class Store:
                 yield data
 
     def fetch_into(self, rel: str, out: BinaryIO, start: int, end: int,
-                   progress: Callable[[int], None] | None = None) -> None:
+                   progress: Callable[[int], None] | None = None,
+                   on_request: Callable[[], None] | None = None) -> None:
         """Stream bytes [start, end) of an object into ``out``.
 
         An interrupted transfer resumes with a ranged read from the byte it reached, with
         capped exponential backoff; after ``RETRY_ATTEMPTS`` faults in a row the error is raised
-        naming the object. A body that ends early counts as such a fault.
+        naming the object. A body that ends early counts as such a fault. ``progress`` is
+        told of every chunk written, ``on_request`` of every request made (retries included).
         """
         pos = start
         failures = 0
         while pos < end:
             try:
+                if on_request:
+                    on_request()
                 for data in self._open_range(rel, pos, end):
                     if pos + len(data) > end:
                         raise ConnectionError(f"{rel}: server sent more than the requested range")

@@ -164,7 +164,8 @@ def test_cached_shards_give_zero_copy_readonly_arrays(packed: Any, tmp_path: Any
     url, opts, items = packed
     warm = shardkit.ShardDataset(url, cache_dir=tmp_path, storage_options=opts, cache_shards=True)
     assert warm[5]["__key__"] == items[5]["__key__"]  # downloads shard of sample 5 into the cache
-    assert warm.stats()["bytes"] > 0
+    shard_bytes = shardkit.open_dataset(url, storage_options=opts).shard_list[warm.locate(5)[0]].bytes
+    assert warm.stats() == {"bytes": shard_bytes, "requests": 1}  # one GET of the whole shard, counted
     warm.close()
     ds = shardkit.ShardDataset(url, cache_dir=tmp_path, storage_options=opts, decode="numpy")
     s = ds[5]
