@@ -11,8 +11,10 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import stat
 import tempfile
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -56,6 +58,8 @@ FRAGMENT_BYTES = 64 * 2**20
 # Parsed manifest rows a process keeps per dataset (least recently parsed go first): by bytes,
 # not shards, as a shard of small samples has hundreds of thousands of rows.
 ROWS_BYTES = 256 * 2**20
+# Node-local manifest copies of a dataset no reader opened for this long are removed.
+COPIES_KEPT_SECONDS = 3 * 24 * 3600.0
 VERIFY_NAMED = 5  # failing shards a verify error names in its one line
 
 
@@ -528,7 +532,26 @@ def manifest_copies_dir(namespace: str) -> str | None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         log.warning("not keeping manifest copies in %s: not a private directory of this user", root)
         return None
-    return os.path.join(root, namespace)
+    mine = os.path.join(root, namespace)
+    with contextlib.suppress(OSError):
+        os.utime(mine)  # in use: the sweep below (by any reader) keeps it
+    _sweep_old_copies(root)
+    return mine
+
+
+def _sweep_old_copies(root: str) -> None:
+    """Remove copies of datasets no reader opened for :data:`COPIES_KEPT_SECONDS` (every
+    re-pack gets a new namespace; nothing else would ever delete the old ones). A reader that
+    still had such a copy open keeps its map; one that looks for it reads storage again."""
+    cutoff = time.time() - COPIES_KEPT_SECONDS
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def count_faults(info: dict[str, Any], shards: pa.Table) -> list[str]:

@@ -419,6 +419,24 @@ def test_manifest_copies_only_in_a_private_directory(tmp_path: Path, monkeypatch
     assert manifest_copies_dir("ns1") is None
 
 
+def test_manifest_copies_no_reader_opened_for_days_are_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every re-pack gets a new namespace: without a sweep, copies of old packs stayed forever.
+    import tempfile
+
+    from shardkit import reader
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / f"shardkit-manifests-{os.getuid()}"
+    for ns in ("old", "recent", "opened"):
+        (root / ns).mkdir(parents=True)
+        (root / ns / "manifest%2Fsamples-00000.parquet").write_bytes(b"x" * 100)
+    long_ago = time.time() - reader.COPIES_KEPT_SECONDS - 60
+    os.utime(root / "old", (long_ago, long_ago))
+    os.utime(root / "opened", (long_ago, long_ago))
+    assert reader.manifest_copies_dir("opened") == str(root / "opened")  # opening one keeps it
+    assert sorted(p.name for p in root.iterdir()) == ["opened", "recent"]
+
+
 def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path: Path,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     # Same URL, same second, same byte count, other bytes: another dataset. Sharing a cache
