@@ -310,12 +310,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                            room_wait=room_wait())
         budget = self._pin_budget(topo)
         fits = sum(i.bytes for i in self.ds.shard_list) <= self.cache_limit  # then nothing is fetched twice
-        # Shards come back only if a reader cannot keep open those it reads from at once:
-        # a shuffle block's, or in order the one shard (workers take turns in it).
-        at_once = self.shuffle_block if self.shuffle else 1
-        if budget < at_once and not fits and not _warned_small_cache:
-            _warn_small_cache(self.cache_limit, budget, at_once, self._readers_per_node(topo),
-                              max((i.bytes for i in self.ds.shard_list), default=0))
+        if not fits and not _warned_small_cache:
+            self._warn_if_cache_too_small(topo)
         return ShardSource(self.ds, cache, prefetch, max_open=max(1, min(window, budget)))
 
     def _pin_budget(self, topo: Topology) -> int:
@@ -327,6 +323,34 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
     def _readers_per_node(self, topo: Topology) -> int:
         return _local_world(topo) * (self.loader_workers or topo.num_workers)
+
+    def _warn_if_cache_too_small(self, topo: Topology) -> None:
+        """Say (once per rank) if readers will evict shards they still need: it works, within
+        the limit, but shards come back, a cold epoch's traffic several times over.
+
+        What they need at once (measured: 2 workers in order fetched 1.42x with room for 2.5
+        shards, 1.00x with 3): in order, a lone reader its shard; readers taking turns in a
+        shard one each, and one more for the download that moves on. Shuffled, each reader
+        reads from a shuffle block's shards at once."""
+        global _warned_small_cache
+        readers = self._readers_per_node(topo)
+        biggest = max((i.bytes for i in self.ds.shard_list), default=0)
+        if self.shuffle:
+            need = (readers * self.shuffle_block + 1) * biggest
+            what = f"shuffled, a shuffle block ({self.shuffle_block} shards) each, and a download"
+        else:
+            need = (readers + 1 if readers > 1 else 1) * biggest
+            what = "in order, a shard each, and a download" if readers > 1 else "in order, one shard"
+        if self.cache_limit >= need:
+            return
+        _warned_small_cache = True
+        if not self._first_to_say("small-cache"):
+            return
+        log.warning("cache_limit %s is less than the %s that %d reading process(es) on this node (ranks x "
+                    "DataLoader workers) read from at once (%s, shards of up to %s): shards may be fetched "
+                    "several times per epoch; raise cache_limit to %s or more%s", human_bytes(self.cache_limit),
+                    human_bytes(need), readers, what, human_bytes(biggest), human_bytes(need),
+                    " (or lower shuffle_block)" if self.shuffle else "")
 
     def __iter__(self) -> Iterator[Any]:
         topo = current(self.rank, self.world_size, self._parent)
@@ -745,20 +769,6 @@ class _Later(Sequence[Run]):
 
 
 _warned_small_cache = False
-
-
-def _warn_small_cache(limit: int, budget: int, at_once: int, readers: int, biggest: int) -> None:
-    # Works, within the limit, but shards leave the cache before their readers are done with
-    # them and come back: a cold epoch's traffic several times over, which users should hear of.
-    # budget: shards a reader may keep open, one shard's room per reader kept for downloads.
-    global _warned_small_cache
-    _warned_small_cache = True
-    what = f"the {at_once} shards of a shuffle block it reads from at once" if at_once > 1 else "the shard it reads"
-    log.warning("cache_limit %s lets each of the %d reading process(es) on this node (ranks x DataLoader workers) "
-                "keep %d shard(s) of up to %s open beside one download, fewer than %s: shards may be fetched "
-                "several times per epoch; raise cache_limit to %s or more%s", human_bytes(limit), readers,
-                max(budget, 0), human_bytes(biggest), what, human_bytes((at_once + 1) * biggest * readers),
-                " (or lower shuffle_block)" if at_once > 1 else "")
 
 
 def _local_world(topo: Topology) -> int:

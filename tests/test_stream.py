@@ -481,19 +481,27 @@ def test_a_cache_too_small_for_what_a_reader_reads_at_once_is_warned_about_once(
         assert sorted(keys_of(small)) == sorted(content)  # still works, within the limit
         assert sorted(keys_of(small)) == sorted(content)
     assert caplog.text.count("fetched several times per epoch") == 1
-    # Its figures agree: 3 shards of room, one kept for a download, fewer than a shuffle block.
-    block = small.shuffle_block
-    assert f"keep 2 shard(s) of up to {human_bytes(biggest)} open beside one download, fewer than the {block} " \
-           "shards of a shuffle block" in caplog.text
-    assert f"raise cache_limit to {human_bytes((block + 1) * biggest)} or more (or lower shuffle_block)" in caplog.text
-    # In order, a reader reads one shard at a time: room for it and a download is enough.
-    monkeypatch.setattr(dataset, "_warned_small_cache", False)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="shardkit"):
-        tight = StreamingDataset(url, cache_dir=tmp_path / "tight", cache_limit=2 * biggest)
-        assert sorted(keys_of(tight)) == sorted(content)
-    assert "cache_limit" not in caplog.text
-    assert tight.stats()["bytes_fetched"] == sum(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    # Its figures say what it needs: a shuffle block of shards and a download.
+    need = human_bytes((small.shuffle_block + 1) * biggest)
+    assert f"cache_limit {human_bytes(3 * biggest)} is less than the {need} that 1 reading process(es)" in caplog.text
+    assert f"raise cache_limit to {need} or more (or lower shuffle_block)" in caplog.text
+    # In order, a lone reader needs room for its shard (and fetches each shard once); 2
+    # workers taking turns in each shard about one each and one for the download.
+    total = sum(shardkit.open_dataset(url).shards.column("bytes").to_pylist())
+    # (Two readers on the node as two local ranks: a DataLoader worker's log is not caught here.)
+    for readers, room, warned in ((1, 1, False), (2, 3, False), (2, 2, True)):
+        monkeypatch.setattr(dataset, "_warned_small_cache", False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(readers))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shardkit"):
+            tight = StreamingDataset(url, cache_dir=tmp_path / f"tight{readers}{room}", cache_limit=room * biggest,
+                                     batch_size=2)
+            assert sorted(keys_of(StreamingDataLoader(tight, num_workers=0))) == sorted(content)
+        assert ("cache_limit" in caplog.text) == warned
+        if warned:
+            assert f"less than the {human_bytes(3 * biggest)} that 2 reading process(es)" in caplog.text
+        if readers == 1:
+            assert tight.stats()["bytes_fetched"] == total
     # A dataset that fits the limit whole is fetched once, however little room each reader has.
     monkeypatch.setattr(dataset, "_warned_small_cache", False)
     caplog.clear()
