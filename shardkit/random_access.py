@@ -44,6 +44,7 @@ from .errors import ConfigError, IntegrityError, ManifestError, ShardkitError
 from .manifest import parquet_file
 from .ranged import ByteCounter, Transport, choose_transport, read_into
 from .reader import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
+from .segments import GAP_BYTES
 from .shardio import cache_namespace, shard_ref
 
 try:  # torch is optional: without it ShardDataset is a plain sequence-like object
@@ -499,8 +500,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             the one exception, partial reads in datasets packed before block checksums).
             A C-ordered member moves the rows covering the slice rounded out to whole 1 MiB
             blocks (at most 2 MiB more than the rows, plus the header's block on the first
-            read of a sample); a sample of 1 MiB or less, and a Fortran-ordered member (its
-            rows are not contiguous), move whole, then are sliced.
+            read of a sample); rows of a stepped slice 1 MiB or more apart are read one by
+            one instead. A sample of 1 MiB or less, and a Fortran-ordered member (its rows
+            are not contiguous), move whole, then are sliced.
         """
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
@@ -524,8 +526,15 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         picked = range(sel, sel + 1) if isinstance(sel, int) else range(*sel.indices(hdr.shape[0]))
         if not picked:
             return np.empty((0,) + hdr.shape[1:], dtype=hdr.dtype)
-        lo, hi = min(picked), max(picked) + 1  # the covering rows; exactly the rows when step is 1
         row_bytes = int(np.prod(hdr.shape[1:], dtype=np.int64)) * hdr.dtype.itemsize
+        if (abs(picked.step) - 1) * row_bytes >= GAP_BYTES:
+            # Rows far apart (rows=slice(0, 2400, 800)): one read each, not the span between.
+            out = np.empty((len(picked),) + hdr.shape[1:], dtype=hdr.dtype)
+            for k, r in enumerate(picked):
+                start = hdr.data_offset + r * row_bytes
+                out[k] = _array_at(fetch(start, start + row_bytes), start, hdr, (1,) + hdr.shape[1:])[0]
+            return out
+        lo, hi = min(picked), max(picked) + 1  # the covering rows; exactly the rows when step is 1
         start = hdr.data_offset + lo * row_bytes
         got = fetch(start, start + (hi - lo) * row_bytes)
         block = _array_at(got, start, hdr, (hi - lo,) + hdr.shape[1:])

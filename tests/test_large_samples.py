@@ -79,6 +79,12 @@ def test_row_slice_moves_about_the_slice(big: Any) -> None:
     np.testing.assert_array_equal(one, _rows(7, 8)[0])
     strided = ds.read_array(i, rows=slice(10, 20, 3))
     np.testing.assert_array_equal(strided, _rows(10, 20)[::3])
+    for far in (slice(0, 2400, 800), slice(2000, 99, -950)):  # rows ~100 MB apart: each read alone
+        before = ds.stats()["bytes"]
+        got = ds.read_array(i, rows=far)
+        picked = range(*far.indices(SHAPE[0]))
+        np.testing.assert_array_equal(got, np.stack([_rows(r, r + 1)[0] for r in picked]))
+        assert ds.stats()["bytes"] - before <= len(picked) * 2 * BLOCK  # was the ~200 MB between them
     with pytest.raises(IndexError, match="row 2400 out of range for 2400 rows"):
         ds.read_array(i, rows=2400)
 
