@@ -182,10 +182,10 @@ def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[],
     # DataLoader workers reading without a cache each need every N-th batch of a shard (and in
     # a shuffled order a random share of it); where the gaps between a worker's samples (its
     # siblings' batches) are small, reading them beats a request each, so each worker fetches
-    # most of the shard. A single
-    # reader meets the same where its contiguous part of the epoch order begins or ends inside
-    # a shuffle block (ranks split the order; a resumed epoch has a consumed part cut out):
-    # at most two blocks per share, but with small shares or datasets that is most of it.
+    # most of the shard. A single reader meets the same where its contiguous part of the
+    # epoch order begins or ends inside a shuffle block (ranks split the order; a resumed
+    # epoch has a consumed part cut out): at most two blocks per share, but with small shares
+    # or datasets that is most of it.
     global _warned
     if _warned or read <= WASTE_WARNING * needed:
         return
