@@ -12,8 +12,9 @@ import logging
 import math
 import os
 import re
+from itertools import chain
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..codecs import IMAGE_EXTS
 from ..errors import SourceError, SourceNotFoundError
@@ -27,38 +28,105 @@ _CHUNK = 8 * 2**20
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
-def walk_files(root: Path) -> Iterator[tuple[str, int]]:
-    """(relative posix path, size) of every regular file under ``root``, sorted, no hidden files.
+def _walk_in_order(root: str, entry: Callable[[str], str | None],
+                   rejected: list[str] | None = None) -> Iterator[tuple[str, int]]:
+    """(relative posix path, size) of the files under ``root`` that ``entry`` keeps, in the
+    order of their relative paths as ``entry`` spells the names, streamed.
 
-    Symlinks to files are followed (users lay out datasets with them); symlinked directories
-    are not, so a link loop cannot hang the listing. Dangling symlinks are listed (size 0) so
-    that loading them fails with an error naming them.
+    ``entry(name)`` is the text a kept file name sorts by within its directory (the name, or
+    for sample order the name with its first dot made a NUL, so that ``a.jpg`` comes before
+    ``a-b.jpg`` as the key ``a`` before ``a-b``), or None for a file that is left out (its
+    relative path is appended to ``rejected`` if given). A directory sorts as its name and a
+    ``/``: sorting each directory's entries so and descending into each subdirectory in its
+    place gives the order of a sort of all the relative paths (a name holds no ``/`` or NUL).
+
+    Hidden files are left out. Symlinks to files are followed (users lay out datasets with
+    them); symlinked directories are not, so a link loop cannot hang the listing. Dangling
+    symlinks are listed (size 0) so that loading them fails with an error naming them.
+
+    Only the names of the directories on the current path are held (each list shrinking as
+    it is walked), and each file's ``stat`` happens as it is yielded: a folder of 20 M files
+    must list within a few hundred bytes a file, where collecting and sorting (path, size)
+    tuples first peaked at ~1 KB a file (trial D F2b).
     """
-    stack = [root]
-    found: list[tuple[str, int]] = []
+    stack = [_scan_dir(root, "", entry, rejected)]
     while stack:
-        d = stack.pop()
+        path, prefix, names, dangling = stack[-1]
+        if not names:
+            stack.pop()
+            continue
+        name = names.pop()  # sorted descending: popping from the end frees the list as it goes
+        if name[-1] == "/":
+            stack.append(_scan_dir(path + name[:-1], prefix + name, entry, rejected))
+            continue
+        name = name.replace("\0", ".", 1)
+        if dangling is not None and name in dangling:
+            yield prefix + name, 0
+            continue
         try:
-            entries = list(os.scandir(d))
-        except PermissionError as exc:
-            raise SourceError(f"cannot list {d}: permission denied") from exc
-        for e in entries:
-            if e.name.startswith("."):
+            size = os.stat(path + name).st_size
+        except OSError as exc:
+            raise SourceError(f"cannot stat {path + name}: {exc.strerror}") from exc
+        yield prefix + name, size
+
+
+def _scan_dir(d: str, prefix: str, entry: Callable[[str], str | None],
+              rejected: list[str] | None) -> tuple[str, str, list[str], set[str] | None]:
+    """One directory of :func:`_walk_in_order`: (its path ending in a separator, its relative
+    path ditto, its kept entries sorted descending, its dangling symlinks' names or None)."""
+    try:
+        scan = os.scandir(d)
+    except PermissionError as exc:
+        raise SourceError(f"cannot list {d}: permission denied") from exc
+    path = os.path.join(d, "")
+    names: list[str] = []
+    dangling: set[str] | None = None
+    with scan:
+        for e in scan:
+            name = e.name
+            if name.startswith("."):
                 continue
             if e.is_dir(follow_symlinks=False):
-                stack.append(Path(e.path))
-            elif e.is_file():
-                try:
-                    size = e.stat().st_size
-                except OSError as exc:
-                    raise SourceError(f"cannot stat {e.path}: {exc.strerror}") from exc
-                found.append((Path(e.path).relative_to(root).as_posix(), size))
+                names.append(name + "/")
+                continue
+            if e.is_file():
+                lost = False
             elif e.is_symlink() and not os.path.exists(e.path):
                 # A dangling link is a file the user meant to pack whose data is gone: list it,
                 # so loading it fails naming it (or on_error="skip" records it), never drop it silently.
-                found.append((Path(e.path).relative_to(root).as_posix(), 0))
-    found.sort()
-    return iter(found)
+                lost = True
+            else:
+                continue
+            kept = entry(name)
+            if kept is None:
+                if not lost:  # stat as the files that are kept: an unreadable one is an error all the same
+                    try:
+                        e.stat()
+                    except OSError as exc:
+                        raise SourceError(f"cannot stat {e.path}: {exc.strerror}") from exc
+                if rejected is not None:
+                    rejected.append(prefix + name)
+                continue
+            names.append(kept)
+            if lost:
+                dangling = dangling or set()
+                dangling.add(name)
+    names.sort(reverse=True)
+    return path, prefix, names, dangling
+
+
+def _sample_entry(name: str) -> str | None:
+    """How a keyed folder's file sorts in its directory (the first dot made a NUL: by key,
+    then name), or None if the name is no ``<key>.<field>``."""
+    stem, dot, field = name.partition(".")
+    if not dot or not stem or not field:
+        return None
+    return name.replace(".", "\0", 1)
+
+
+def _image_entry(name: str) -> str | None:
+    """An ImageFolder's image file sorts by its name; other files are left out."""
+    return name if os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES else None
 
 
 def read_field(path: str | os.PathLike[str]) -> FieldValue:
@@ -139,50 +207,44 @@ class FolderSource:
         self.root = str(root)
         self.listing = ListingSkips()
 
-    def _files(self) -> list[tuple[str, int]]:
-        """(relative path, size) of every file that names a sample's field, in sample order:
-        by key, then path, so that each sample's files are next to each other."""
+    def list_items(self) -> list[SourceItem]:
+        # One streamed pass over the files in sample order (by key, then path, so that each
+        # sample's files are next to each other), no per-file objects kept: a folder of 20 M
+        # files must list within a few GB on the driver.
         root = check_root(self.root)
         if not root.is_dir():
             raise SourceError(f"source {root} is not a directory")
         self.listing.skipped.clear()
-        files = []
-        for rel, size in walk_files(root):
-            stem, dot, _ = rel.rpartition("/")[2].partition(".")
-            if not dot or not stem or not _field(rel):
-                self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
-                                                  "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
-                continue
-            files.append((rel, size))
-        if not files:
+        bad: list[str] = []  # names that are no <key>.<field>: reported once listed, in path order
+        clash = None  # the first sample with two files of one field: raised after the bad names
+        items: list[SourceItem] = []
+        members: list[tuple[str, int]] = []
+        raw = None
+        for rel, size in chain(_walk_in_order(str(root), _sample_entry, bad), ((None, 0),)):
+            key_of = None if rel is None else _raw_key(rel)
+            if members and key_of != raw:
+                fields = [_field(r) for r, _ in members]
+                if len(set(fields)) < len(fields):  # x.JPG and x.jpg: one would overwrite the other
+                    if clash is None:
+                        field = next(f for f in fields if fields.count(f) > 1)
+                        first, other = (r for (r, _), f in zip(members, fields) if f == field)
+                        clash = SourceError(f"{self.root}/{first} and {self.root}/{other} are both field {field!r} "
+                                            f"of sample {raw!r} (field names are lowercased); rename one")
+                else:
+                    # A JSON list of the files: names may hold any character but "/" and NUL.
+                    key = safe_key(raw)  # type: ignore[arg-type]
+                    items.append(SourceItem(ref=json.dumps([r for r, _ in members]),
+                                            nbytes=item_bytes(key, zip(fields, (s for _, s in members))), key=key))
+                members = []
+            raw = key_of
+            members.append((rel, size))  # type: ignore[arg-type]
+        for rel in sorted(bad):
+            self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
+                                              "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
+        if not items and clash is None:
             raise SourceError(f"source {root} holds no files")
-        files.sort(key=lambda f: (_raw_key(f[0]), f[0]))
-        return files
-
-    def list_items(self) -> list[SourceItem]:
-        # One pass over the files in sample order, no per-file group objects: a folder of
-        # 20 M files must list within a few GB on the driver.
-        files = self._files()
-        items = []
-        start = 0
-        while start < len(files):
-            raw = _raw_key(files[start][0])
-            stop = start + 1
-            while stop < len(files) and _raw_key(files[stop][0]) == raw:
-                stop += 1
-            members = files[start:stop]
-            fields = [_field(rel) for rel, _ in members]
-            if len(set(fields)) < len(fields):  # x.JPG and x.jpg: one would overwrite the other
-                field = next(f for f in fields if fields.count(f) > 1)
-                first, other = (rel for (rel, _), f in zip(members, fields) if f == field)
-                raise SourceError(f"{self.root}/{first} and {self.root}/{other} are both field {field!r} of sample "
-                                  f"{raw!r} (field names are lowercased); rename one")
-            # A JSON list of the files: names may hold any character but "/" and NUL.
-            key = safe_key(raw)
-            items.append(SourceItem(ref=json.dumps([rel for rel, _ in members]),
-                                    nbytes=item_bytes(key, zip(fields, (s for _, s in members))), key=key))
-            start = stop
-        del files
+        if clash is not None:
+            raise clash
         ensure_unique(items, self.root)
         return items
 
@@ -250,14 +312,14 @@ class ImageFolderSource:
         if loose:  # as torchvision's ImageFolder, but said out loud: they are not packed
             log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
                         "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
-        items = []
+        items: list[SourceItem] = []
         for index, cls in enumerate(self.classes()):
-            for rel, size in walk_files(root / cls):
-                if Path(rel).suffix.lower() in IMAGE_SUFFIXES:
-                    full = f"{cls}/{rel}"
-                    key = safe_key(full)
-                    nbytes = item_bytes(key, ((_image_field(full), size), ("cls", len(str(index)))))
-                    items.append(SourceItem(ref=full, nbytes=nbytes, key=key))
+            cls_field = ("cls", len(str(index)))
+            for rel, size in _walk_in_order(str(root / cls), _image_entry):
+                full = f"{cls}/{rel}"
+                key = safe_key(full)
+                items.append(SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)),
+                                        key=key))
         if not items:
             raise SourceError(f"source {root} holds no images")
         ensure_unique(items, self.root)
