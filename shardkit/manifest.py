@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import io
 import json
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -84,26 +84,133 @@ def fragment_name(task: int) -> str:
 
 
 def sample_table(rows: SampleRows) -> pa.Table:
-    """Arrow table of sample rows: the v1 columns, then user metadata columns."""
-    base = pa.table({
-        "key": pa.array(rows.key, pa.string()),
-        "shard": pa.array(rows.shard, pa.int32()),
-        "offset": pa.array(rows.offset, pa.int64()),
-        "size": pa.array(rows.size, pa.int64()),
-        "fields": pa.array(rows.fields, pa.list_(FIELD_TYPE)),
-        "checksum": pa.array(rows.checksum, pa.uint64()),
-        "block_checksums": pa.array(rows.blocks, pa.list_(pa.uint64())),
-    }).replace_schema_metadata({BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()})
-    meta_names = sorted({k for m in rows.meta for k in m})
-    for name in meta_names:
-        if name in SAMPLE_COLUMNS.names:
-            raise ManifestError(f"metadata column {name!r} clashes with a manifest column")
-        try:
-            column = pa.array([m.get(name) for m in rows.meta])
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise ManifestError(f"metadata column {name!r} mixes incompatible types: {exc}") from exc
-        base = base.append_column(name, column)
+    """Arrow table of sample rows: the v1 columns, then user metadata columns (sorted by name,
+    each typed by pyarrow's inference over the whole column)."""
+    base = pa.Table.from_batches([_batch(rows)]).replace_schema_metadata({BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()})
+    for name in sorted({k for m in rows.meta for k in m}):
+        base = base.append_column(name, _meta_array(name, [m.get(name) for m in rows.meta]))
     return base
+
+
+def _batch(rows: SampleRows) -> pa.RecordBatch:
+    """The v1 columns of ``rows``."""
+    return pa.RecordBatch.from_arrays([
+        pa.array(rows.key, pa.string()),
+        pa.array(rows.shard, pa.int32()),
+        pa.array(rows.offset, pa.int64()),
+        pa.array(rows.size, pa.int64()),
+        pa.array(rows.fields, pa.list_(FIELD_TYPE)),
+        pa.array(rows.checksum, pa.uint64()),
+        pa.array(rows.blocks, pa.list_(pa.uint64())),
+    ], schema=SAMPLE_COLUMNS)
+
+
+def _meta_array(name: str, values: list[Any]) -> pa.Array:
+    if name in SAMPLE_COLUMNS.names:
+        raise ManifestError(f"metadata column {name!r} clashes with a manifest column")
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ManifestError(f"metadata column {name!r} mixes incompatible types: {exc}") from exc
+
+
+# Each shard's rows, once Arrow, wait for the fragment as a zstd-compressed IPC stream.
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+
+
+class FragmentBuilder:
+    """A samples fragment built shard by shard, holding no Python object per sample.
+
+    :meth:`add` turns each finished shard's rows into Arrow at once and keeps them as a
+    zstd-compressed Arrow IPC stream (tens of bytes a sample, where the rows as Python lists
+    and dicts take about a kilobyte); :meth:`write` stores the fragment, one row group per
+    shard, byte for byte what :func:`sample_table` over all the rows at once would give.
+
+    Metadata columns are typed per shard first. The fragment's type of a column is the one
+    every shard agrees on (shards where it is missing or all None take it as nulls); where
+    shards disagree (ints in one, floats in another) the column's values are read back and
+    typed as a whole, as :func:`sample_table` does.
+    """
+
+    def __init__(self) -> None:
+        self.shards: list[ShardRecord] = []
+        self.num_rows = 0
+        self.nbytes = 0  # compressed bytes held
+        self._parts: list[pa.Buffer] = []  # one IPC stream per shard that has rows
+        self._meta_types: dict[str, set[pa.DataType]] = {}  # metadata column -> its types in shards
+
+    def add(self, record: ShardRecord, rows: SampleRows) -> None:
+        """Add one shard: its record and its rows (all of them, in order)."""
+        n = len(rows)
+        if n != record.num_samples or (n and (rows.shard[0] != record.shard or rows.shard[-1] != record.shard)):
+            raise ManifestError(f"rows out of shard order at shard {record.shard}")
+        self.shards.append(record)
+        if not n:
+            return  # an empty shard (every input skipped) has no row group
+        batch = _batch(rows)
+        for name in sorted({k for m in rows.meta for k in m}):
+            column = _meta_array(name, [m.get(name) for m in rows.meta])
+            batch = batch.append_column(name, column)
+            self._meta_types.setdefault(name, set()).add(column.type)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as out:
+            out.write_batch(batch)
+        part = sink.getvalue()
+        self._parts.append(part)
+        self.num_rows += n
+        self.nbytes += part.size
+
+    def _columns(self) -> tuple[pa.Schema, dict[str, pa.Array | pa.ChunkedArray]]:
+        """The fragment's metadata fields, and the columns typed as a whole (shards disagreed)."""
+        fields: list[pa.Field] = []
+        whole: dict[str, pa.Array | pa.ChunkedArray] = {}
+        for name in sorted(self._meta_types):
+            types = {t for t in self._meta_types[name] if t != pa.null()}
+            if len(types) <= 1:
+                fields.append(pa.field(name, types.pop() if types else pa.null()))
+                continue
+            values: list[Any] = []
+            for batch in self._batches():
+                i = batch.schema.get_field_index(name)
+                values.extend(batch.column(i).to_pylist() if i >= 0 else [None] * batch.num_rows)
+            column = _meta_array(name, values)
+            del values
+            fields.append(pa.field(name, column.type))
+            whole[name] = column
+        return pa.schema(fields), whole
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        for part in self._parts:
+            yield pa.ipc.open_stream(part).read_next_batch()
+
+    def to_bytes(self, extra_metadata: dict[str, str] | None = None) -> bytes:
+        """The fragment's Parquet bytes."""
+        meta_fields, whole = self._columns()
+        metadata = {BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()}
+        metadata.update({k.encode(): v.encode() for k, v in (extra_metadata or {}).items()})
+        schema = pa.schema([*SAMPLE_COLUMNS, *meta_fields], metadata=metadata)
+        buf = io.BytesIO()
+        with pq.ParquetWriter(buf, schema, compression="zstd") as pw:
+            start = 0
+            for batch in self._batches():
+                n = batch.num_rows
+                columns = batch.columns[:len(SAMPLE_COLUMNS)]
+                for field in meta_fields:
+                    if field.name in whole:
+                        columns.append(whole[field.name].slice(start, n))
+                        continue
+                    i = batch.schema.get_field_index(field.name)
+                    columns.append(batch.column(i) if i >= 0 and batch.schema.field(i).type == field.type
+                                   else pa.nulls(n, field.type))
+                pw.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)  # one row group per shard
+                start += n
+        return buf.getvalue()
+
+    def write(self, store: Store, name: str, extra_metadata: dict[str, str] | None = None) -> list[int]:
+        """Store the fragment as ``name``; the row-group index of each shard (-1: empty)."""
+        data = self.to_bytes(extra_metadata)
+        store.put_bytes(name, data)
+        return _row_groups_of(data, self.shards)
 
 
 def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[ShardRecord],
@@ -113,26 +220,18 @@ def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[S
     Returns the row-group index of each shard in ``shards``. ``extra_metadata`` lands in the
     Parquet key-value metadata (pack uses it to record the shards a task completed).
     """
-    table = sample_table(rows)
-    if extra_metadata:
-        meta = dict(table.schema.metadata or {})
-        meta.update({k.encode(): v.encode() for k, v in extra_metadata.items()})
-        table = table.replace_schema_metadata(meta)
-    buf = io.BytesIO()
-    shard_col = table.column("shard").to_numpy() if len(table) else None
-    with pq.ParquetWriter(buf, table.schema, compression="zstd") as pw:
-        start = 0
-        for rec in shards:
-            n = rec.num_samples
-            if not n:
-                continue  # an empty shard (every input skipped) has no row group
-            if shard_col is None or shard_col[start] != rec.shard or shard_col[start + n - 1] != rec.shard:
-                raise ManifestError(f"fragment {name}: rows out of shard order at shard {rec.shard}")
-            pw.write_table(table.slice(start, n), row_group_size=n)  # one row group per shard
-            start += n
-    data = buf.getvalue()
-    store.put_bytes(name, data)
-    return _row_groups_of(data, shards)
+    builder = FragmentBuilder()
+    start = 0
+    for rec in shards:
+        stop = start + rec.num_samples
+        if stop > len(rows):
+            raise ManifestError(f"fragment {name}: rows out of shard order at shard {rec.shard}")
+        try:
+            builder.add(rec, rows.slice(start, stop))
+        except ManifestError as exc:
+            raise ManifestError(f"fragment {name}: {exc}") from None
+        start = stop
+    return builder.write(store, name, extra_metadata)
 
 
 def _row_groups_of(data: bytes, shards: Sequence[ShardRecord]) -> list[int]:

@@ -25,6 +25,7 @@ from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from .manifest import (
     DATASET_JSON,
     SHARDS_PARQUET,
+    FragmentBuilder,
     commit,
     dataset_info,
     fragment_name,
@@ -40,7 +41,7 @@ from .sample import PackSample
 from .sources import resolve_source
 from .sources.base import ListingSkips, Source, SourceItem
 from .storage import Store
-from .writer import SampleRows, ShardRecord, ShardWriter, TarShard, Uploader
+from .writer import ShardRecord, ShardWriter, TarShard, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
                 opts: PackOptions, progress: Callable[[int, int], None] | None, up: Uploader) -> TaskResult:
     base = plan.start
     records: list[ShardRecord] = []
-    rows = SampleRows()
+    fragment = FragmentBuilder()  # each shard's rows become compressed Arrow as the shard closes
     skipped: list[dict[str, str]] = []
     fields: set[str] = set()
     for span in plan.shards:
@@ -146,18 +147,19 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
                 raise
             if failed is None:
                 records.append(shard.close())
-                rows.extend(shard.rows)
+                fragment.add(records[-1], shard.rows)
                 break
             shard.abort()
             excluded.add(failed)
     frag = fragment_name(plan.task)
     summary = {"plan_id": plan_id, "task": plan.task, "shards": [asdict(r) for r in records],
                "skipped": skipped, "fields": sorted(fields)}
-    result = TaskResult(plan.task, frag, records, [], skipped, sorted(fields), len(rows), sum(r.bytes for r in records))
+    result = TaskResult(plan.task, frag, records, [], skipped, sorted(fields), fragment.num_rows,
+                        sum(r.bytes for r in records))
     meta = {_TASK_META: json.dumps(summary)}
 
     def write() -> None:
-        result.row_groups = write_fragment(store, frag, rows, records, meta)
+        result.row_groups = fragment.write(store, frag, meta)
 
     up.submit(write)
     return result

@@ -71,8 +71,14 @@ class SampleRows:
         return len(self.key)
 
     def extend(self, other: "SampleRows") -> None:
-        for name in ("key", "shard", "offset", "size", "fields", "checksum", "blocks", "meta"):
+        for name in _ROW_COLUMNS:
             getattr(self, name).extend(getattr(other, name))
+
+    def slice(self, start: int, stop: int) -> "SampleRows":
+        return SampleRows(*(getattr(self, name)[start:stop] for name in _ROW_COLUMNS))
+
+
+_ROW_COLUMNS = ("key", "shard", "offset", "size", "fields", "checksum", "blocks", "meta")
 
 
 class Uploader:
