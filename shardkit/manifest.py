@@ -5,7 +5,8 @@ Layout under a dataset root::
     dataset.json                 commit marker, written last (create-only)
     shards/shard-NNNNNN.tar      WebDataset shards
     manifest/shards.parquet      one row per shard
-    manifest/samples-NNNNN.parquet  one row per sample, one file per pack task, one row group per shard
+    manifest/samples-NNNNN.parquet  one row per sample, one file per pack task (for an iterable,
+                                    one per ~1M samples), one row group per shard
 
 ``shards.parquet`` carries two columns beyond the v1 minimum, ``samples_file`` and
 ``samples_row_group``, so a reader fetches exactly the row group of the shard it opens

@@ -32,7 +32,6 @@ from .manifest import (
     parquet_file,
     read_info,
     shards_table,
-    write_fragment,
     write_shards_table,
 )
 from .plan import PackPlan, TaskPlan, make_plan
@@ -41,11 +40,16 @@ from .sample import PackSample
 from .sources import resolve_source
 from .sources.base import ListingSkips, Source, SourceItem
 from .storage import Store
-from .writer import ShardRecord, ShardWriter, TarShard, Uploader
+from .writer import SampleRows, ShardRecord, ShardWriter, TarShard, Uploader
 
 log = logging.getLogger(__name__)
 
 ITERABLE_PLAN = "iterable"  # an iterable cannot be planned: every run of one is the same "plan"
+# An iterable's samples fragment is closed (written, and the next one started) at the first
+# shard boundary where it holds this many rows or compressed bytes: packing an endless
+# iterable keeps one fragment's compressed rows, not every row of the pack.
+ITERABLE_FRAGMENT_ROWS = 1_000_000
+ITERABLE_FRAGMENT_BYTES = 64 * 2**20
 _TASK_META = "shardkit_task"
 Transform = Callable[[PackSample], PackSample]
 
@@ -504,10 +508,35 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
                            started: float, claim: Claim) -> dict[str, Any]:
     from .sources.iterable import samples_from_iterable
 
-    fields: set[str] = set()
     skipped: list[dict[str, str]] | None = [] if opts.on_error == "skip" else None
+    results: list[TaskResult] = []
+    fields: set[str] = set()  # of the fragment being built
+    noted = 0  # entries of skipped already handed to a result
+    building = FragmentBuilder()
+
+    def close_fragment() -> TaskResult:
+        """The result for the fragment built so far, whose write is not yet done; start the next."""
+        nonlocal building, fields, noted
+        builder, number = building, len(results)
+        result = TaskResult(number, fragment_name(number), builder.shards, [], (skipped or [])[noted:],
+                            sorted(fields), builder.num_rows, sum(s.bytes for s in builder.shards))
+        results.append(result)
+        building, fields, noted = FragmentBuilder(), set(), len(skipped or [])
+        return result
+
+    def on_shard(record: ShardRecord, rows: SampleRows) -> None:
+        building.add(record, rows)
+        if building.num_rows >= ITERABLE_FRAGMENT_ROWS or building.nbytes >= ITERABLE_FRAGMENT_BYTES:
+            builder, result = building, close_fragment()
+
+            def write() -> None:  # after the fragment's shards (the uploader keeps the order)
+                result.row_groups = builder.write(store, result.fragment)
+
+            writer.submit(write)
+
     with Progress(None, None, 1, "pack", enabled=show) as bar, \
-            ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples) as writer:
+            ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples,
+                        on_shard=on_shard) as writer:
         for sample in samples_from_iterable(items, skipped):
             if opts.transform is not None:
                 sample = opts.transform(sample)
@@ -516,11 +545,12 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
             bar.advance(1, sample.nbytes())
     if not writer.shards:
         raise SourceError("source iterable is empty")
-    frag = fragment_name(0)
-    groups = write_fragment(store, frag, writer.rows, writer.shards)
-    result = TaskResult(0, frag, writer.shards, groups, skipped or [], sorted(fields), len(writer.rows),
-                        sum(s.bytes for s in writer.shards))
-    return _commit(store, {"type": "iterable"}, None, [result], started, "local", opts, claim)
+    if building.shards:  # every shard is stored by now (the writer closed): write the last fragment here
+        builder, result = building, close_fragment()
+        result.row_groups = builder.write(store, result.fragment)
+    elif results:  # skips after the last fragment closed
+        results[-1].skipped.extend((skipped or [])[noted:])
+    return _commit(store, {"type": "iterable"}, None, results, started, "local", opts, claim)
 
 
 def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | None, results: list[TaskResult],

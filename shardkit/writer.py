@@ -480,14 +480,20 @@ class ShardWriter:
             for s in samples:
                 w.write(s)
         w.shards, w.rows   # manifest rows for shards.parquet and samples-*.parquet
+
+    With ``on_shard``, each finished shard's record and rows go to ``on_shard(record, rows)``
+    (which may queue work after the shard's upload with :meth:`submit`) instead of into
+    ``rows``, so a long stream of samples keeps no rows here.
     """
 
     def __init__(self, store: Store, *, shard_bytes: int, shard_samples: int | None = None,
-                 first_shard: int = 0, name_for: Callable[[int], str] = shard_name) -> None:
+                 first_shard: int = 0, name_for: Callable[[int], str] = shard_name,
+                 on_shard: Callable[[ShardRecord, SampleRows], None] | None = None) -> None:
         self.store = store
         self.shard_bytes = shard_bytes
         self.shard_samples = shard_samples
         self.name_for = name_for
+        self.on_shard = on_shard
         self._next = first_shard
         self._current: TarShard | None = None
         # One upload thread for all shards: a shard's last part uploads while the next fills.
@@ -513,9 +519,20 @@ class ShardWriter:
 
     def _finish(self) -> None:
         if self._current is not None:
-            self.shards.append(self._current.close())
-            self.rows.extend(self._current.rows)
-            self._current = None
+            shard, self._current = self._current, None
+            record = shard.close()
+            self.shards.append(record)
+            if self.on_shard is not None:
+                self.on_shard(record, shard.rows)
+            else:
+                self.rows.extend(shard.rows)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the upload thread once every part queued so far is written (it is
+        skipped if one of them failed); :meth:`close` waits for it and raises its error."""
+        if self._uploader is None:
+            self._uploader = Uploader()
+        self._uploader.submit(fn)
 
     def close(self) -> None:
         """Finish the last shard and wait until every shard is stored."""
