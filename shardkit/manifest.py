@@ -35,6 +35,7 @@ from . import __version__
 from .blockhash import BLOCK_BYTES, BLOCK_BYTES_KEY
 from .errors import ManifestError, first_line
 from .storage import Store
+from . import writer as _writer
 from .writer import SampleRows, ShardRecord
 
 FORMAT = "shardkit"
@@ -115,21 +116,24 @@ def _meta_array(name: str, values: list[Any]) -> pa.Array:
         raise ManifestError(f"metadata column {name!r} mixes incompatible types: {exc}") from exc
 
 
-# Each shard's rows, once Arrow, wait for the fragment as a zstd-compressed IPC stream.
+# Rows, once Arrow, wait for the fragment as zstd-compressed IPC streams.
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
 class FragmentBuilder:
     """A samples fragment built shard by shard, holding no Python object per sample.
 
-    :meth:`add` turns each finished shard's rows into Arrow at once and keeps them as a
-    zstd-compressed Arrow IPC stream (tens of bytes a sample, where the rows as Python lists
-    and dicts take about a kilobyte); :meth:`write` stores the fragment, one row group per
-    shard, byte for byte what :func:`sample_table` over all the rows at once would give.
+    Rows become Arrow as they come (:meth:`add_rows` while a shard is written, :meth:`add`
+    with its record when it is done) and wait as zstd-compressed Arrow IPC streams: tens of
+    bytes a sample, where rows as Python lists and dicts take about a kilobyte. Rows of shards
+    too small for a piece of their own (``writer.PIECE_ROWS``) gather first and become one
+    piece together (a piece's IPC framing costs ~2 KB). :meth:`write` stores the fragment,
+    one row group per shard, byte for byte what :func:`sample_table` over all the rows at once
+    would give.
 
-    Metadata columns are typed per shard first. The fragment's type of a column is the one
-    every shard agrees on (shards where it is missing or all None take it as nulls); where
-    shards disagree (ints in one, floats in another) the column's values are read back and
+    Metadata columns are typed per piece first. The fragment's type of a column is the one
+    every piece agrees on (pieces where it is missing or all None take it as nulls); where
+    pieces disagree (ints in one, floats in another) the column's values are read back and
     typed as a whole, as :func:`sample_table` does.
     """
 
@@ -137,32 +141,77 @@ class FragmentBuilder:
         self.shards: list[ShardRecord] = []
         self.num_rows = 0
         self.nbytes = 0  # compressed bytes held
-        self._parts: list[pa.Buffer] = []  # one IPC stream per shard that has rows
-        self._meta_types: dict[str, set[pa.DataType]] = {}  # metadata column -> its types in shards
+        self._pieces: list[pa.Buffer] = []
+        self._meta_types: dict[str, set[pa.DataType]] = {}  # metadata column -> its types in pieces
+        # Where each shard that has rows lies: (piece, first row, rows) spans, in order.
+        self._spans: list[list[tuple[int, int, int]]] = []
+        self._current = _ShardPieces()  # pieces of the shard being written (dropped if it is abandoned)
+        self._staged = SampleRows()  # rows of finished shards, not yet a piece
+        self._staged_shards: list[int] = []  # shards (in _spans) whose last span is in _staged
 
-    def add(self, record: ShardRecord, rows: SampleRows) -> None:
-        """Add one shard: its record and its rows (all of them, in order)."""
-        n = len(rows)
-        if n != record.num_samples or (n and (rows.shard[0] != record.shard or rows.shard[-1] != record.shard)):
+    def add_rows(self, rows: SampleRows) -> None:
+        """Rows of the shard being written, in order (more may follow)."""
+        self._current.add(rows)
+
+    def drop_rows(self) -> None:
+        """Forget the rows given for a shard that was abandoned (rewritten without a sample)."""
+        self._current = _ShardPieces()
+
+    def add(self, record: ShardRecord, rows: SampleRows | None = None) -> None:
+        """Finish a shard: its record, and its last rows (after any given to :meth:`add_rows`)."""
+        current, self._current = self._current, _ShardPieces()
+        rows = rows if rows is not None and len(rows) else None
+        if current.num_rows + (len(rows) if rows else 0) != record.num_samples \
+                or current.shard not in (None, record.shard) \
+                or (rows and (rows.shard[0] != record.shard or rows.shard[-1] != record.shard)):
             raise ManifestError(f"rows out of shard order at shard {record.shard}")
         self.shards.append(record)
-        if not n:
+        if not record.num_samples:
             return  # an empty shard (every input skipped) has no row group
-        batch = _batch(rows)
-        for name in sorted({k for m in rows.meta for k in m}):
-            column = _meta_array(name, [m.get(name) for m in rows.meta])
-            batch = batch.append_column(name, column)
-            self._meta_types.setdefault(name, set()).add(column.type)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as out:
-            out.write_batch(batch)
-        part = sink.getvalue()
-        self._parts.append(part)
-        self.num_rows += n
-        self.nbytes += part.size
+        if current.pieces and self._staged.key:
+            self._stage_done()  # pieces in row order
+        spans = [(self._keep(piece), 0, piece.rows) for piece in current.pieces]
+        if rows:
+            spans.append((-1, len(self._staged), len(rows)))  # its piece is made later
+            self._staged.extend(rows)
+            self._staged_shards.append(len(self._spans))
+        self._spans.append(spans)
+        self.num_rows += record.num_samples
+        if len(self._staged) >= _writer.PIECE_ROWS:
+            self._stage_done()
+
+    def _keep(self, piece: _Piece) -> int:
+        self._pieces.append(piece.data)
+        self.nbytes += piece.data.size
+        for name, kind in piece.meta_types.items():
+            self._meta_types.setdefault(name, set()).add(kind)
+        return len(self._pieces) - 1
+
+    def _stage_done(self) -> None:
+        """Turn the staged rows into one piece."""
+        if not self._staged.key:
+            return
+        index = self._keep(_Piece(self._staged))
+        for shard in self._staged_shards:
+            _, first, n = self._spans[shard][-1]
+            self._spans[shard][-1] = (index, first, n)
+        self._staged, self._staged_shards = SampleRows(), []
+
+    def _shard_batches(self) -> Iterator[list[pa.RecordBatch]]:
+        """Each shard's rows, read back: a batch per span."""
+        self._stage_done()
+        cached: tuple[int, pa.RecordBatch] | None = None
+        for spans in self._spans:
+            batches = []
+            for index, first, n in spans:
+                if cached is None or cached[0] != index:
+                    cached = (index, pa.ipc.open_stream(self._pieces[index]).read_next_batch())
+                batches.append(cached[1].slice(first, n))
+            yield batches
 
     def _columns(self) -> tuple[pa.Schema, dict[str, pa.Array | pa.ChunkedArray]]:
-        """The fragment's metadata fields, and the columns typed as a whole (shards disagreed)."""
+        """The fragment's metadata fields, and the columns typed as a whole (pieces disagreed)."""
+        self._stage_done()
         fields: list[pa.Field] = []
         whole: dict[str, pa.Array | pa.ChunkedArray] = {}
         for name in sorted(self._meta_types):
@@ -171,18 +220,15 @@ class FragmentBuilder:
                 fields.append(pa.field(name, types.pop() if types else pa.null()))
                 continue
             values: list[Any] = []
-            for batch in self._batches():
-                i = batch.schema.get_field_index(name)
-                values.extend(batch.column(i).to_pylist() if i >= 0 else [None] * batch.num_rows)
+            for batches in self._shard_batches():
+                for batch in batches:
+                    i = batch.schema.get_field_index(name)
+                    values.extend(batch.column(i).to_pylist() if i >= 0 else [None] * batch.num_rows)
             column = _meta_array(name, values)
             del values
             fields.append(pa.field(name, column.type))
             whole[name] = column
         return pa.schema(fields), whole
-
-    def _batches(self) -> Iterator[pa.RecordBatch]:
-        for part in self._parts:
-            yield pa.ipc.open_stream(part).read_next_batch()
 
     def to_bytes(self, extra_metadata: dict[str, str] | None = None) -> bytes:
         """The fragment's Parquet bytes."""
@@ -193,17 +239,21 @@ class FragmentBuilder:
         buf = io.BytesIO()
         with pq.ParquetWriter(buf, schema, compression="zstd") as pw:
             start = 0
-            for batch in self._batches():
-                n = batch.num_rows
-                columns = batch.columns[:len(SAMPLE_COLUMNS)]
+            for batches in self._shard_batches():
+                n = sum(b.num_rows for b in batches)
+                columns = [_concat([b.column(i) for b in batches]) for i in range(len(SAMPLE_COLUMNS))]
                 for field in meta_fields:
                     if field.name in whole:
                         columns.append(whole[field.name].slice(start, n))
                         continue
-                    i = batch.schema.get_field_index(field.name)
-                    columns.append(batch.column(i) if i >= 0 and batch.schema.field(i).type == field.type
-                                   else pa.nulls(n, field.type))
-                pw.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)  # one row group per shard
+                    pieces = []
+                    for b in batches:
+                        i = b.schema.get_field_index(field.name)
+                        pieces.append(b.column(i) if i >= 0 and b.schema.field(i).type == field.type
+                                      else pa.nulls(b.num_rows, field.type))
+                    columns.append(_concat(pieces))
+                # One row group per shard, from contiguous arrays: the bytes of one table's slice.
+                pw.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
                 start += n
         return buf.getvalue()
 
@@ -212,6 +262,46 @@ class FragmentBuilder:
         data = self.to_bytes(extra_metadata)
         store.put_bytes(name, data)
         return _row_groups_of(data, self.shards)
+
+
+class _Piece:
+    """Rows as a compressed Arrow IPC stream, and the types its metadata columns took."""
+
+    def __init__(self, rows: SampleRows) -> None:
+        self.rows = len(rows)
+        batch = _batch(rows)
+        self.meta_types: dict[str, pa.DataType] = {}
+        for name in sorted({k for m in rows.meta for k in m}):
+            column = _meta_array(name, [m.get(name) for m in rows.meta])
+            batch = batch.append_column(name, column)
+            self.meta_types[name] = column.type
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as out:
+            out.write_batch(batch)
+        self.data = sink.getvalue()
+
+
+class _ShardPieces:
+    """The pieces of one shard's rows so far."""
+
+    def __init__(self) -> None:
+        self.pieces: list[_Piece] = []
+        self.num_rows = 0
+        self.shard: int | None = None
+
+    def add(self, rows: SampleRows) -> None:
+        if not len(rows):
+            return
+        shard = rows.shard[0]
+        if rows.shard[-1] != shard or self.shard not in (None, shard):
+            raise ManifestError(f"rows out of shard order at shard {shard}")
+        self.shard = shard
+        self.pieces.append(_Piece(rows))
+        self.num_rows += len(rows)
+
+
+def _concat(arrays: list[pa.Array]) -> pa.Array:
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
 def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[ShardRecord],

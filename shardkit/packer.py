@@ -116,13 +116,13 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
                 opts: PackOptions, progress: Callable[[int, int], None] | None, up: Uploader) -> TaskResult:
     base = plan.start
     records: list[ShardRecord] = []
-    fragment = FragmentBuilder()  # each shard's rows become compressed Arrow as the shard closes
+    fragment = FragmentBuilder()  # rows become compressed Arrow as shards are written
     skipped: list[dict[str, str]] = []
     fields: set[str] = set()
     for span in plan.shards:
         excluded: set[int] = set()
         while True:
-            shard = TarShard(store, span.shard, uploader=up)
+            shard = TarShard(store, span.shard, uploader=up, on_rows=fragment.add_rows)
             failed: int | None = None
             try:
                 for i in range(span.start, span.stop):
@@ -154,6 +154,7 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
                 fragment.add(records[-1], shard.rows)
                 break
             shard.abort()
+            fragment.drop_rows()
             excluded.add(failed)
     frag = fragment_name(plan.task)
     summary = {"plan_id": plan_id, "task": plan.task, "shards": [asdict(r) for r in records],
@@ -536,7 +537,7 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
 
     with Progress(None, None, 1, "pack", enabled=show) as bar, \
             ShardWriter(store, shard_bytes=opts.shard_bytes, shard_samples=opts.shard_samples,
-                        on_shard=on_shard) as writer:
+                        on_shard=on_shard, on_rows=lambda rows: building.add_rows(rows)) as writer:
         for sample in samples_from_iterable(items, skipped):
             if opts.transform is not None:
                 sample = opts.transform(sample)

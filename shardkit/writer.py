@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # One part uploading while the next fills keeps the link busy; more in flight gained nothing.
 PART_BYTES = 16 * 2**20
 INFLIGHT_BYTES = PART_BYTES
+# A shard with ``on_rows`` hands its manifest rows over every this many samples: a 512 MB shard
+# of 1 KB samples would otherwise hold half a million rows as Python objects (~0.5 GB).
+PIECE_ROWS = 4096
 
 
 def shard_name(index: int) -> str:
@@ -303,12 +306,17 @@ class TarShard:
     ``uploader``. With a shared uploader, :meth:`close` returns as soon as the last part is
     queued: the shard exists once ``uploader.flush()`` returns. Without one, the shard gets its
     own and :meth:`close` waits.
+
+    Its manifest rows gather in :attr:`rows`; with ``on_rows``, every :data:`PIECE_ROWS` of them
+    go to ``on_rows(rows)`` instead and :attr:`rows` starts over (it holds the rest at close).
     """
 
     def __init__(self, store: Store, index: int, path: str | None = None, uploader: Uploader | None = None,
-                 part_bytes: int | None = None) -> None:
+                 part_bytes: int | None = None, on_rows: Callable[[SampleRows], None] | None = None) -> None:
         self.store = store
         self.index = index
+        self.on_rows = on_rows
+        self._handed = 0  # rows given to on_rows
         self.path = path or shard_name(index)
         self.part_bytes = PART_BYTES if part_bytes is None else part_bytes
         self._own_uploader = uploader is None
@@ -335,6 +343,10 @@ class TarShard:
     @property
     def bytes_written(self) -> int:
         return self.pos
+
+    @property
+    def num_samples(self) -> int:
+        return self._handed + len(self.rows)
 
     def _write(self, data: bytes | memoryview) -> None:
         if isinstance(data, memoryview):
@@ -417,6 +429,10 @@ class TarShard:
         rows.checksum.append(self.sample_hash.intdigest())
         rows.blocks.append(self.sample_hash.blocks())
         rows.meta.append(sample.meta)
+        if self.on_rows is not None and len(rows) >= PIECE_ROWS:
+            self.rows = SampleRows()
+            self._handed += len(rows)
+            self.on_rows(rows)
 
     def close(self) -> ShardRecord:
         """Finish the archive and queue its last part; the shard appears under its final name
@@ -430,7 +446,7 @@ class TarShard:
         self.closed = True
         if self._own_uploader:
             self._uploader.close()  # a failing part already discarded its upload
-        return ShardRecord(self.index, self.path, len(self.rows), self.pos, self.file_hash.hexdigest())
+        return ShardRecord(self.index, self.path, self.num_samples, self.pos, self.file_hash.hexdigest())
 
     def abort(self) -> None:
         """Drop a shard that failed midway (an unfinished S3 multipart upload is discarded)."""
@@ -483,17 +499,23 @@ class ShardWriter:
 
     With ``on_shard``, each finished shard's record and rows go to ``on_shard(record, rows)``
     (which may queue work after the shard's upload with :meth:`submit`) instead of into
-    ``rows``, so a long stream of samples keeps no rows here.
+    ``rows``, so a long stream of samples keeps no rows here; with ``on_rows`` too, a shard's
+    rows go to ``on_rows`` in pieces while it is written and ``on_shard`` gets the last ones
+    (see :class:`TarShard`).
     """
 
     def __init__(self, store: Store, *, shard_bytes: int, shard_samples: int | None = None,
                  first_shard: int = 0, name_for: Callable[[int], str] = shard_name,
-                 on_shard: Callable[[ShardRecord, SampleRows], None] | None = None) -> None:
+                 on_shard: Callable[[ShardRecord, SampleRows], None] | None = None,
+                 on_rows: Callable[[SampleRows], None] | None = None) -> None:
         self.store = store
         self.shard_bytes = shard_bytes
         self.shard_samples = shard_samples
         self.name_for = name_for
+        if on_rows is not None and on_shard is None:
+            raise ValueError("ShardWriter: on_rows needs on_shard (which gets each shard's last rows)")
         self.on_shard = on_shard
+        self.on_rows = on_rows
         self._next = first_shard
         self._current: TarShard | None = None
         # One upload thread for all shards: a shard's last part uploads while the next fills.
@@ -503,17 +525,18 @@ class ShardWriter:
 
     def write(self, sample: PackSample) -> None:
         cur = self._current
-        if cur is not None and len(cur.rows) > 0:
+        if cur is not None and cur.num_samples > 0:
             # Count what the sample really adds (headers, padding) and the end-of-archive
             # blocks, so a shard of two or more samples never grows past shard_bytes.
             full_bytes = cur.bytes_written + tar_size(sample) + len(END_OF_ARCHIVE) > self.shard_bytes
-            full_count = self.shard_samples is not None and len(cur.rows) >= self.shard_samples
+            full_count = self.shard_samples is not None and cur.num_samples >= self.shard_samples
             if full_bytes or full_count:
                 self._finish()
         if self._current is None:
             if self._uploader is None:
                 self._uploader = Uploader()
-            self._current = TarShard(self.store, self._next, self.name_for(self._next), self._uploader)
+            self._current = TarShard(self.store, self._next, self.name_for(self._next), self._uploader,
+                                     on_rows=self.on_rows)
             self._next += 1
         self._current.add(sample)
 
