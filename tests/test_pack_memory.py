@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardkit
-from shardkit import packer
-from shardkit.manifest import FragmentBuilder, sample_table
+from shardkit import packer, writer
+from shardkit.manifest import FragmentBuilder, parquet_file, sample_table
 from shardkit.writer import SampleRows, ShardRecord
 
 N = 60_000  # packing runs ~3.5x slower under tracemalloc
@@ -63,16 +63,20 @@ def test_pack_iterable_keeps_no_python_row_per_sample(s3_server, s3_bucket, monk
     objects takes (~1 KB, as before the fix); the rows land in several fragments, one row
     group per shard, and read back complete."""
     monkeypatch.setattr(packer, "ITERABLE_FRAGMENT_ROWS", FRAGMENT_ROWS)
+    # One shard's part uploading at a time, not up to 16 MiB of them queued (as many as the
+    # upload lags behind: not a cost of the rows, and not the same from one run to the next).
+    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 2**20)
     so = s3_server.storage_options()
     url = f"{s3_bucket}/ds"
     # Import and set up everything a pack uses first; then the growth from a small pack to a
-    # big one is what the samples cost (fixed costs such as a shard's part buffer cancel out).
+    # big one is what the samples cost: fixed costs (a shard's part buffer, the rows of small
+    # shards gathered into a piece) are the same in both.
     shardkit.pack(tiny(2000), f"{s3_bucket}/warm", shard_bytes="1MB", storage_options=so, progress=False)
-    small = 4000
+    small = 2 * writer.PIECE_ROWS
     _, base = traced_pack(small, f"{s3_bucket}/small", so)
     info, peak = traced_pack(N, url, so)
     per_sample = (peak - base) / (N - small)
-    # Measured: 50-110 bytes a sample, most of it the iterable source's set of the keys seen
+    # Measured: ~95 bytes a sample, most of it the iterable source's set of the keys seen
     # (its duplicate check); ~1.1 KB a sample when every row stayed a Python object.
     assert per_sample < 200, f"peak Python heap {base / 1e6:.1f} MB for {small} samples, {peak / 1e6:.1f} MB " \
                              f"for {N}: {per_sample:.0f} bytes a sample"
@@ -94,6 +98,53 @@ def test_pack_iterable_keeps_no_python_row_per_sample(s3_server, s3_bucket, monk
             assert rg.num_rows == shards.column("num_samples")[i].as_py()
             assert rg.column(1).statistics.min == rg.column(1).statistics.max == shards.column("shard")[i].as_py()
     check_readback(url, so, N)
+
+
+def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """A path source's task (here one 512 MB shard of HDF5 rows, as ``hdf5_rows`` packs a
+    table of small rows) hands its rows over in pieces as the shard is written: the heap's
+    peak during the task grows far less per sample than the ~1 KB a row as Python objects took."""
+    h5py = pytest.importorskip("h5py")
+    from shardkit.packer import PackOptions, run_task
+    from shardkit.plan import make_plan
+    from shardkit.sources import resolve_source
+    from shardkit.storage import Store
+
+    so = s3_server.storage_options()
+    opts = PackOptions(512 * 10**6, None, 2 * 10**9, "raise")
+    # Parts of 5 MiB (the least S3 takes), not 16: both runs below fill more than two, so the
+    # two part buffers a shard holds (one filling, one uploading) cost both the same.
+    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 5 * 2**20)
+
+    def task(n: int) -> tuple[packer.TaskResult, int, Store]:
+        path = tmp_path / f"rows{n}.h5"
+        with h5py.File(path, "w") as f:
+            f["x"] = np.arange(n * 4, dtype="<f4").reshape(n, 4)
+        src = resolve_source(str(path), hdf5_rows="x")
+        plan = make_plan(src.list_items(), shard_bytes=opts.shard_bytes, shard_samples=None,
+                         task_bytes=opts.task_bytes, options={})
+        assert len(plan.tasks) == 1 and len(plan.tasks[0].shards) == 1
+        store = Store(f"{s3_bucket}/rows{n}", so)
+        gc.collect()
+        tracemalloc.start()  # after listing: the items are the source's, held whatever the task does
+        try:
+            result = run_task(store, src, plan.tasks[0], plan.items, plan.plan_id, opts)
+            return result, tracemalloc.get_traced_memory()[1], store
+        finally:
+            tracemalloc.stop()
+
+    task(1000)  # imports, clients
+    small, big = 2 * writer.PIECE_ROWS, 60_000  # both past one piece of rows
+    _, base, _ = task(small)
+    result, peak, store = task(big)
+    per_sample = (peak - base) / (big - small)
+    # Measured: 15-30 bytes a sample; ~700 when the task's rows stayed Python objects.
+    assert per_sample < 200, f"peak Python heap {base / 1e6:.1f} MB for {small} rows, {peak / 1e6:.1f} MB " \
+                             f"for {big}: {per_sample:.0f} bytes a sample"
+    assert result.samples == big and result.row_groups == [0]
+    keys = parquet_file(store.read_bytes(result.fragment)).read(columns=["key"], use_threads=False).column(0)
+    assert keys.to_pylist() == [f"rows{big}_{i:09d}" for i in range(big)]
 
 
 def test_iterable_pack_that_fails_after_some_fragments_is_redone_by_a_rerun(s3_server, s3_bucket, monkeypatch):
@@ -140,11 +191,15 @@ def _rows(shard: int, metas: list[dict[str, Any]], start: int) -> SampleRows:
     return rows
 
 
-def test_fragment_is_byte_identical_to_one_table_of_all_rows():
-    """FragmentBuilder types metadata columns per shard; the fragment it writes is the bytes of
-    one table of every row, whose columns pyarrow types as a whole: where shards disagree
-    (ints then floats, float32 then float64, structs of other fields, empty lists, a column
-    some shards lack or hold only None in), and with empty shards among them."""
+@pytest.mark.parametrize("piece_rows", [writer.PIECE_ROWS, 50])
+def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeypatch):
+    """FragmentBuilder types metadata columns per piece of rows; the fragment it writes is the
+    bytes of one table of every row, whose columns pyarrow types as a whole: where pieces
+    disagree (ints then floats, float32 then float64, structs of other fields, empty lists, a
+    column some pieces lack or hold only None in), with shards given in pieces or at once,
+    small shards' rows gathered into one piece (all of them, or every 50 rows), rows of an
+    abandoned shard dropped, and empty shards among them."""
+    monkeypatch.setattr(writer, "PIECE_ROWS", piece_rows)
     metas: list[list[dict[str, Any]]] = []
     for s in range(6):
         shard = []
@@ -166,7 +221,15 @@ def test_fragment_is_byte_identical_to_one_table_of_all_rows():
     for s, shard in enumerate(metas):
         rows = _rows(s, shard, start)
         rec = ShardRecord(s, f"shards/shard-{s:06d}.tar", len(rows), 1000, "x")
-        builder.add(rec, rows)
+        if s == 2:  # an attempt at the shard that was abandoned: none of its rows or columns stay
+            builder.add_rows(_rows(s, [{"ghost": 1.5}] * 9, start))
+            builder.drop_rows()
+        if s % 2:  # in pieces, as a shard hands them over while it is written
+            for at in range(0, len(rows), 7):
+                builder.add_rows(rows.slice(at, min(at + 7, len(rows))))
+            builder.add(rec)
+        else:
+            builder.add(rec, rows)
         everything.extend(rows)
         records.append(rec)
         start += len(rows)
@@ -184,4 +247,4 @@ def test_fragment_is_byte_identical_to_one_table_of_all_rows():
                 pw.write_table(table.slice(at, rec.num_samples), row_group_size=rec.num_samples)
                 at += rec.num_samples
     assert got == buf.getvalue()
-    assert builder.num_rows == len(everything) and 0 < builder.nbytes < len(everything) * 200
+    assert builder.num_rows == len(everything) and builder.nbytes > 0
