@@ -142,6 +142,7 @@ class FragmentBuilder:
         self.num_rows = 0
         self.nbytes = 0  # compressed bytes held
         self._pieces: list[pa.Buffer] = []
+        self._names: list[dict[str, int]] = []  # each piece's columns
         self._meta_types: dict[str, set[pa.DataType]] = {}  # metadata column -> its types in pieces
         # Where each shard that has rows lies: (piece, first row, rows) spans, in order.
         self._spans: list[list[tuple[int, int, int]]] = []
@@ -182,6 +183,7 @@ class FragmentBuilder:
 
     def _keep(self, piece: _Piece) -> int:
         self._pieces.append(piece.data)
+        self._names.append(piece.names)
         self.nbytes += piece.data.size
         for name, kind in piece.meta_types.items():
             self._meta_types.setdefault(name, set()).add(kind)
@@ -197,21 +199,24 @@ class FragmentBuilder:
             self._spans[shard][-1] = (index, first, n)
         self._staged, self._staged_shards = SampleRows(), []
 
+    def _shard_spans(self) -> list[list[tuple[int, int, int]]]:
+        self._stage_done()
+        return self._spans
+
     def _shard_batches(self) -> Iterator[list[pa.RecordBatch]]:
         """Each shard's rows, read back: a batch per span."""
-        self._stage_done()
         cached: tuple[int, pa.RecordBatch] | None = None
-        for spans in self._spans:
+        for spans in self._shard_spans():
             batches = []
             for index, first, n in spans:
                 if cached is None or cached[0] != index:
-                    cached = (index, pa.ipc.open_stream(self._pieces[index]).read_next_batch())
+                    cached = (index, self._read(index))
                 batches.append(cached[1].slice(first, n))
             yield batches
 
     def _columns(self) -> tuple[pa.Schema, dict[str, pa.Array | pa.ChunkedArray]]:
         """The fragment's metadata fields, and the columns typed as a whole (pieces disagreed)."""
-        self._stage_done()
+        self._stage_done()  # its pieces' metadata types count too
         fields: list[pa.Field] = []
         whole: dict[str, pa.Array | pa.ChunkedArray] = {}
         for name in sorted(self._meta_types):
@@ -239,23 +244,35 @@ class FragmentBuilder:
         buf = io.BytesIO()
         with pq.ParquetWriter(buf, schema, compression="zstd") as pw:
             start = 0
-            for batches in self._shard_batches():
-                n = sum(b.num_rows for b in batches)
-                columns = [_concat([b.column(i) for b in batches]) for i in range(len(SAMPLE_COLUMNS))]
-                for field in meta_fields:
+            full: tuple[int, pa.RecordBatch] | None = None  # a piece read whole (small shards share one)
+            for spans in self._shard_spans():
+                n = sum(rows for _, _, rows in spans)
+                if len(spans) == 1 and (full is None or full[0] != spans[0][0]):
+                    full = (spans[0][0], self._read(spans[0][0]))
+                # A shard in several pieces is read a column at a time: its pieces are never
+                # held whole beside the shard's contiguous columns.
+                columns = []
+                for field in schema:
                     if field.name in whole:
                         columns.append(whole[field.name].slice(start, n))
                         continue
-                    pieces = []
-                    for b in batches:
-                        i = b.schema.get_field_index(field.name)
-                        pieces.append(b.column(i) if i >= 0 and b.schema.field(i).type == field.type
-                                      else pa.nulls(b.num_rows, field.type))
-                    columns.append(_concat(pieces))
+                    parts = []
+                    for index, first, rows in spans:
+                        i = self._names[index].get(field.name)
+                        column = None if i is None else full[1].column(i) if full is not None and full[0] == index \
+                            else self._read(index, i).column(0)
+                        parts.append(column.slice(first, rows) if column is not None and column.type == field.type
+                                     else pa.nulls(rows, field.type))
+                    columns.append(_concat(parts))
                 # One row group per shard, from contiguous arrays: the bytes of one table's slice.
                 pw.write_table(pa.Table.from_arrays(columns, schema=schema), row_group_size=n)
                 start += n
         return buf.getvalue()
+
+    def _read(self, index: int, column: int | None = None) -> pa.RecordBatch:
+        """Piece ``index`` read back, or only its ``column``."""
+        options = None if column is None else pa.ipc.IpcReadOptions(included_fields=[column])
+        return pa.ipc.open_stream(self._pieces[index], options=options).read_next_batch()
 
     def write(self, store: Store, name: str, extra_metadata: dict[str, str] | None = None) -> list[int]:
         """Store the fragment as ``name``; the row-group index of each shard (-1: empty)."""
@@ -275,6 +292,7 @@ class _Piece:
             column = _meta_array(name, [m.get(name) for m in rows.meta])
             batch = batch.append_column(name, column)
             self.meta_types[name] = column.type
+        self.names = {name: i for i, name in enumerate(batch.schema.names)}
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as out:
             out.write_batch(batch)
