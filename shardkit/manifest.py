@@ -32,10 +32,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import __version__
+from . import writer as _writer
 from .blockhash import BLOCK_BYTES, BLOCK_BYTES_KEY
 from .errors import ManifestError, first_line
 from .storage import Store
-from . import writer as _writer
 from .writer import SampleRows, ShardRecord
 
 FORMAT = "shardkit"

@@ -549,8 +549,8 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
     if building.shards:  # every shard is stored by now (the writer closed): write the last fragment here
         builder, result = building, close_fragment()
         result.row_groups = builder.write(store, result.fragment)
-    elif results:  # skips after the last fragment closed
-        results[-1].skipped.extend((skipped or [])[noted:])
+    # (Every skip is in a result now: the last shard closed, and with it any open fragment,
+    # once the iterable was exhausted.)
     return _commit(store, {"type": "iterable"}, None, results, started, "local", opts, claim)
 
 
