@@ -176,6 +176,26 @@ def test_iterable_pack_that_fails_after_some_fragments_is_redone_by_a_rerun(s3_s
     check_readback(url, so, n, "k")
 
 
+def test_iterable_pack_in_several_fragments_lists_every_skip_and_field(tmp_path, monkeypatch):
+    """Skipped items and fields are those of the whole iterable, in order, however many
+    fragments it took: the skips of each fragment's stretch, and any after the last one."""
+    monkeypatch.setattr(packer, "ITERABLE_FRAGMENT_ROWS", 30)
+
+    def items() -> Iterator[Any]:
+        for i in range(200):
+            if i % 17 == 5 or i == 199:
+                yield f"bad {i}"
+            else:
+                yield {"__key__": f"k{i:03d}", "txt": "x", **({"jpg": b"j"} if i == 150 else {})}
+
+    info = shardkit.pack(items(), str(tmp_path / "ds"), shard_samples=8, on_error="skip", progress=False)
+    bad = [i for i in range(200) if i % 17 == 5 or i == 199]
+    assert [s["ref"] for s in info["skipped"]] == [f"item {i}" for i in bad]
+    assert info["num_samples"] == 200 - len(bad) and info["tasks"] > 4 and info["fields"] == ["jpg", "txt"]
+    ds = shardkit.open_dataset(str(tmp_path / "ds"))
+    assert ds.samples.column("key").to_pylist() == [f"k{i:03d}" for i in range(200) if i not in bad]
+
+
 def _rows(shard: int, metas: list[dict[str, Any]], start: int) -> SampleRows:
     rows = SampleRows()
     for j, meta in enumerate(metas):
