@@ -18,6 +18,11 @@ the fragment's schema metadata as ``shardkit.block_bytes``) of the sample's byte
 ``[offset, offset+size)``, null for samples of one block or less. It lets a partial read of
 a huge sample check only the blocks it fetched (:mod:`shardkit.blockhash`). Manifests
 without it (written before it existed) stay readable.
+
+A fragment's schema metadata also records ``shardkit.shard_checksums``: a JSON object of
+shard number -> the shard's xxh3-128 (as in ``shards.parquet``) for the shards it holds rows
+of. Readers check it against the ``shards.parquet`` they opened; fragments without it (older
+packs) are read as before.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ FORMAT = "shardkit"
 VERSION = 1
 DATASET_JSON = "dataset.json"
 SHARDS_PARQUET = "manifest/shards.parquet"
+# A fragment's schema metadata: the xxh3-128 of each shard it describes, as shards.parquet
+# has it. Ties the rows to that pack: a reader that opened another pack at the same URL
+# (re-packed since) refuses the fragment instead of reading the new shards with new rows.
+SHARD_CHECKSUMS_KEY = b"shardkit.shard_checksums"
 
 FIELD_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
 
@@ -235,10 +244,13 @@ class FragmentBuilder:
             whole[name] = column
         return pa.schema(fields), whole
 
+    def _shard_checksums(self) -> bytes:
+        return json.dumps({str(r.shard): r.checksum for r in self.shards if r.num_samples}).encode()
+
     def to_bytes(self, extra_metadata: dict[str, str] | None = None) -> bytes:
         """The fragment's Parquet bytes."""
         meta_fields, whole = self._columns()
-        metadata = {BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()}
+        metadata = {BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode(), SHARD_CHECKSUMS_KEY: self._shard_checksums()}
         metadata.update({k.encode(): v.encode() for k, v in (extra_metadata or {}).items()})
         schema = pa.schema([*SAMPLE_COLUMNS, *meta_fields], metadata=metadata)
         buf = io.BytesIO()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ import xxhash
 from .blockhash import BLOCK_BYTES_KEY
 from .cachefs import file_name, write_replace
 from .errors import IntegrityError, ManifestError, ShardkitError, first_line
-from .manifest import parquet_file, read_info, read_shards
+from .manifest import SHARD_CHECKSUMS_KEY, parquet_file, read_info, read_shards
 from .storage import Store
 
 log = logging.getLogger(__name__)
@@ -328,6 +329,7 @@ class Dataset:
         if held is None:
             data = self.store.read_bytes(name)
             held = (parquet_file(data, self.store.url_of(name)), len(data))
+            self._check_same_pack(name, held[0])
             if self.manifest_cache:
                 self._keep_fragment(name, data)
         self._fragments[name] = held  # most recently used last
@@ -336,6 +338,25 @@ class Dataset:
             _, (_, n) = self._fragments.popitem(last=False)
             total -= n
         return held[0]
+
+    def _check_same_pack(self, name: str, fragment: pq.ParquetFile) -> None:
+        """Refuse a fragment that describes other shards than the shards.parquet this reader
+        opened: the dataset was re-packed at this URL since, and reading the new shards with
+        the new rows would pass every per-sample check while the reader (and its saved state)
+        still stands for the old pack."""
+        raw = (fragment.schema_arrow.metadata or {}).get(SHARD_CHECKSUMS_KEY)
+        if raw is None:
+            return  # packed before fragments recorded it
+        try:
+            listed = {int(k): str(v) for k, v in json.loads(raw).items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ManifestError(f"{self.store.url_of(name)}: unreadable {SHARD_CHECKSUMS_KEY.decode()} ({exc})") from exc
+        for shard, checksum in sorted(listed.items()):
+            mine = self.shard_list[shard].checksum if 0 <= shard < self.num_shards else None
+            if mine is None or mine.lower() != checksum.lower():
+                raise ManifestError(f"{self.store.url_of(name)} describes shard {shard} of another pack than the "
+                                    f"{self.url} this reader opened (xxh3 {checksum}, not {mine}): it was re-packed "
+                                    "since; open it again (a state saved on the old pack does not resume on it)")
 
     def _local_path(self, name: str) -> str:
         assert self.manifest_cache is not None
@@ -387,7 +408,8 @@ class Dataset:
             if columns is not None:  # the optional ones (block_checksums) only where the manifest has them
                 table = table.select([c for c in columns if c in table.column_names])
         if table.num_rows != info.num_samples:
-            raise ManifestError(f"{self.url}: shard {shard} lists {info.num_samples} samples, its manifest rows are {table.num_rows}")
+            raise ManifestError(f"{self.url}: shard {shard} lists {info.num_samples} samples, its manifest rows are "
+                                f"{table.num_rows} (re-packed since this reader opened it?)")
         return table
 
     def shard_rows(self, shard: int) -> ShardRows:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import io
+import json
 import tracemalloc
 from typing import Any, Iterator
 
@@ -20,7 +21,7 @@ import pytest
 
 import shardkit
 from shardkit import packer, writer
-from shardkit.manifest import FragmentBuilder, parquet_file, sample_table
+from shardkit.manifest import SHARD_CHECKSUMS_KEY, FragmentBuilder, parquet_file, sample_table
 from shardkit.writer import SampleRows, ShardRecord
 
 N = 60_000  # packing runs ~3.5x slower under tracemalloc
@@ -257,7 +258,9 @@ def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeyp
     got = builder.to_bytes(extra)
 
     table = sample_table(everything)
-    table = table.replace_schema_metadata({**table.schema.metadata, b"shardkit_task": b'{"task": 0}'})
+    checksums = json.dumps({str(r.shard): r.checksum for r in records if r.num_samples}).encode()
+    table = table.replace_schema_metadata({**table.schema.metadata, SHARD_CHECKSUMS_KEY: checksums,
+                                           b"shardkit_task": b'{"task": 0}'})
     assert table.schema.field("a").type == pa.float64() and table.schema.field("late").type == pa.bool_()
     buf = io.BytesIO()
     with pq.ParquetWriter(buf, table.schema, compression="zstd") as pw:  # how fragments were written before

@@ -927,3 +927,27 @@ def test_a_cache_dir_removed_mid_epoch_stops_with_one_clear_error(local_ds: tupl
     msg = str(err.value)
     assert msg.startswith(f"cache_dir {cache} was removed while readers used it") and "\n" not in msg
     assert isinstance(err.value, shardkit.errors.ShardkitError) and n < N
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_reader_opened_before_a_repack_refuses_the_new_pack(tmp_path: Path, cache: bool) -> None:
+    # Same URL, same layout, other bytes: the new rows would verify the new shards sample by
+    # sample, so without the fragment's shard checksums a reader streamed the new pack while
+    # it (and its saved state) stood for the old one.
+    url = str(tmp_path / "ds")
+
+    def pack(tag: bytes) -> None:
+        shardkit.pack(({"__key__": f"k{i:04d}", "bin": tag * 250} for i in range(400)), url, shard_bytes="64KB",
+                      progress=False, overwrite=True)
+
+    pack(b"v1")
+    ds = StreamingDataset(url, cache_dir=tmp_path / "cache" if cache else None)
+    pack(b"v2")
+    got: list[bytes] = []
+    with pytest.raises(shardkit.errors.ShardkitError) as err:
+        got.extend(bytes(s["bin"]) for s in ds)
+    assert not any(b.startswith(b"v2") for b in got)  # never a sample of the new pack
+    if not cache:  # (with a cache the shard's own xxh3-128 refuses the new bytes first)
+        assert "re-packed since" in str(err.value) and "\n" not in str(err.value)
+    fresh = StreamingDataset(url, cache_dir=tmp_path / "cache2")  # opened again: the new pack, whole
+    assert sorted(bytes(s["bin"])[:2] for s in fresh) == [b"v2"] * 400
