@@ -32,8 +32,9 @@ import xxhash
 from .blockhash import SampleHasher
 from .errors import DatasetExistsError, SourceError, UnsafeTarError
 from .keyledger import KeyLedger
+from .fragments import write_fragment
 from .manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragment_name, parquet_file, shards_table,
-                       write_fragment, write_shards_table)
+                       write_shards_table)
 from .progress import Progress
 from .sample import case_clash_reason
 from .storage import Store, attempts_for, is_transient, pause_before_retry, translate

@@ -22,10 +22,10 @@ from .cachefs import pid_alive
 from .claim import CLAIM, Claim
 from .config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from .errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
+from .fragments import FragmentBuilder
 from .manifest import (
     DATASET_JSON,
     SHARDS_PARQUET,
-    FragmentBuilder,
     commit,
     dataset_info,
     fragment_name,

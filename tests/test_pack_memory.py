@@ -21,7 +21,8 @@ import pytest
 
 import shardkit
 from shardkit import packer, writer
-from shardkit.manifest import SHARD_CHECKSUMS_KEY, FragmentBuilder, parquet_file, sample_table
+from shardkit.fragments import FragmentBuilder
+from shardkit.manifest import SHARD_CHECKSUMS_KEY, parquet_file, sample_table
 from shardkit.writer import SampleRows, ShardRecord
 
 N = 60_000  # packing runs ~3.5x slower under tracemalloc
