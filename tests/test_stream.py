@@ -435,6 +435,17 @@ def test_manifest_copies_no_reader_opened_for_days_are_removed(tmp_path: Path, m
     os.utime(root / "opened", (long_ago, long_ago))
     assert reader.manifest_copies_dir("opened") == str(root / "opened")  # opening one keeps it
     assert sorted(p.name for p in root.iterdir()) == ["opened", "recent"]
+    # A reader that made its dataset days ago and still reads copies keeps them too.
+    url = str(tmp_path / "ds")
+    shardkit.pack(({"__key__": f"k{i}", "bin": b"x"} for i in range(10)), url, progress=False)
+    first = reader.Dataset(url)
+    first.manifest_cache = reader.manifest_copies_dir("long-run")
+    first.shard_samples(0)  # keeps a copy
+    os.utime(root / "long-run", (long_ago, long_ago))
+    again = reader.Dataset(url)
+    again.manifest_cache = str(root / "long-run")
+    assert again.shard_samples(0).num_rows == 10  # from the copy
+    assert (root / "long-run").stat().st_mtime > time.time() - 60
 
 
 def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path: Path,
