@@ -368,7 +368,7 @@ class Dataset:
         try:
             src = pa.memory_map(path)
             with contextlib.suppress(OSError):
-                os.utime(self.manifest_cache)  # in use: a sweep of copies unopened for days keeps them
+                os.utime(os.path.dirname(path))  # in use: a sweep of copies unopened for days keeps them
             return pq.ParquetFile(src), src.size()  # read with use_threads=False, as parquet_file says
         except FileNotFoundError:
             return None
