@@ -9,7 +9,7 @@ bootstrap:
 	@bash scripts/bootstrap.sh test
 
 demo: bootstrap
-	$(PY) -m shardkit.demo
+	$(PY) -m shardkit.dev.demo
 
 # pytest's exit 5 means "no tests collected": a failure here, said out loud.
 test: bootstrap

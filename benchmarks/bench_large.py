@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     import h5py
 
     import shardkit
-    from shardkit import ranged
-    from shardkit.sources.hdf5 import Hdf5Source
-    from shardkit.storage import Store
+    from shardkit.storage import ranged
+    from shardkit.packing.sources.hdf5 import Hdf5Source
+    from shardkit.storage.store import Store
 
     (REPO_ROOT / "demo-data").mkdir(exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-large-", dir=REPO_ROOT / "demo-data"))

@@ -27,7 +27,7 @@ from benchmarks.common import add_pin_server_flag, bench_images, get_ceiling, pa
 def watch_held(peak: list[int]) -> None:
     """Record in ``peak[0]`` the most bytes a reader in this process held (segments in use and
     read ahead) at any ``ShardSource.get``: what streaming without a cache keeps in memory."""
-    from shardkit.shardio import ShardSource
+    from shardkit.read.shard_source import ShardSource
 
     real = ShardSource.get
 
@@ -50,7 +50,8 @@ def main() -> None:
     import torch  # noqa: F401 - imported before the clocks
 
     import shardkit
-    from shardkit import StreamingDataLoader, StreamingDataset, segments
+    from shardkit import StreamingDataLoader, StreamingDataset
+    from shardkit.read import segments
 
     started = time.time()
     folder = bench_images(args.count)

@@ -5,12 +5,12 @@ Run from the repository root::
     .venv/bin/python -m benchmarks.bench_pack [--images 1500] [--h5-mb 300] [--shard-size 64MB]
 
 Data (generated once, cached under ``demo-data/bench-pack/``): an ImageFolder of real-ish
-~100 KB JPEGs (:func:`shardkit.sampledata.make_image_folder`), and one HDF5 file with two
+~100 KB JPEGs (:func:`shardkit.dev.sampledata.make_image_folder`), and one HDF5 file with two
 float32 datasets of ~``--h5-mb`` MB each (one sample each). For each data set:
 
 * raw PUT: the same total bytes, as objects of the sizes the pack produced, uploaded with
   s3fs ``pipe`` (one PUT), boto3 ``put_object`` (one PUT) and boto3 multipart with 16 MiB
-  parts (what the shard writer sends: ``shardkit.writer.PART_BYTES``, one PUT below that);
+  parts (what the shard writer sends: ``shardkit.packing.writer.PART_BYTES``, one PUT below that);
 * shardkit pack, local engine (modules imported before timing, as the raw rows' clients are
   made before theirs);
 * shardkit pack, Ray engine (local Ray, 2 CPUs, started before timing).
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import REPO_ROOT, Weed, boto3_client, machine_facts, package_versions, write_json
-from shardkit.writer import PART_BYTES as PART  # the raw multipart row sends the shard writer's parts
+from shardkit.packing.writer import PART_BYTES as PART  # the raw multipart row sends the shard writer's parts
 
 
 def _make_hdf5(path: Path, mb: int) -> Path:
@@ -118,7 +118,7 @@ def raw_puts(server: Any, bucket: str, data: str, payloads: list[bytes]) -> list
 
 def pack_rows(server: Any, bucket: str, data: str, src: Path, shard_size: str, **kw: Any) -> tuple[list[dict[str, Any]], list[int]]:
     import shardkit
-    import shardkit.packer  # pyarrow, s3fs... imported outside the timed region
+    import shardkit.packing.pack  # pyarrow, s3fs... imported outside the timed region
 
     opts = server.storage_options()
     rows = []
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_USAGE_STATS_ENABLED": "0"}.items():
         os.environ.setdefault(k, v)
-    from shardkit.sampledata import make_image_folder
+    from shardkit.dev.sampledata import make_image_folder
 
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_read [--count 3000] [--pin-server]
 
-One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.sampledata; every reader
+One run, one SeaweedFS (started here), ~64 KB JPEGs from shardkit.dev.sampledata; every reader
 uses 2 workers (or 2 read threads) and batch 256, and its consumer reads every payload byte
 (common.touch_count). Beside the GET ceiling, a floor: the same GETs plus the least a verified
 caching batch loader adds (common.get_and_finish). ``--pin-server`` gives SeaweedFS one CPU and
@@ -40,7 +40,7 @@ def main() -> None:
 
     import shardkit
     from shardkit import StreamingDataLoader, StreamingDataset
-    from shardkit.batching import collate
+    from shardkit.batch.collate import collate
 
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="shardkit-bench-read-"))

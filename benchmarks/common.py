@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from shardkit import devserver
+from shardkit.dev import devserver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
@@ -25,7 +25,7 @@ BENCH_DIR = REPO_ROOT / "benchmarks"
 
 # --------------------------------------------------------------------------- SeaweedFS
 
-# The launcher lives in shardkit.devserver (shared with tests/conftest.py); re-exported here.
+# The launcher lives in shardkit.dev.devserver (shared with tests/conftest.py); re-exported here.
 free_port_pairs = devserver.free_port_pairs
 weed_binary = devserver.weed_binary
 
@@ -52,11 +52,11 @@ class Weed(devserver.DevServer):
 
 
 def bench_images(count: int) -> Path:
-    """``count`` sample JPEGs (shardkit.sampledata), made once in the temp dir and kept for
+    """``count`` sample JPEGs (shardkit.dev.sampledata), made once in the temp dir and kept for
     later runs of any benchmark asking for as many."""
     import tempfile
 
-    from shardkit.sampledata import make_image_folder
+    from shardkit.dev.sampledata import make_image_folder
 
     return make_image_folder(Path(tempfile.gettempdir()) / f"shardkit-bench-images-{count}", count)
 
@@ -153,7 +153,7 @@ def drop_cache(cache: Path) -> None:
     free ~1.3 GB inside the next row's clock. So the next row's cold fill pays for neither."""
     import shutil
 
-    from shardkit.keptmaps import KEPT
+    from shardkit.cache.kept_maps import KEPT
 
     shutil.rmtree(cache)
     KEPT.clear()
@@ -196,7 +196,7 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
     a reused batch-sized buffer, and the consumer's read of every cache line of the copy
     (:func:`touch_count`'s).
 
-    ``dest`` holds a :class:`shardkit.landing.Landing` per key (page-aligned, touched by the
+    ``dest`` holds a :class:`shardkit.cache.landing.Landing` per key (page-aligned, touched by the
     caller before the clock). A floor for a cold epoch, not a ceiling: nothing here parses a
     tar or makes a batch."""
     import threading
@@ -205,7 +205,7 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
     import numpy as np
     import xxhash
 
-    from shardkit.landing import DirectWriter
+    from shardkit.cache.landing import DirectWriter
 
     into.mkdir(parents=True, exist_ok=True)
     left = {key: -(-size // part) for key, size in objects}
@@ -250,7 +250,7 @@ def get_and_finish(client: Any, bucket: str, objects: Sequence[tuple[str, int]],
 def floor_buffers(objects: Sequence[tuple[str, int]]) -> dict[str, Any]:
     """A landing buffer per object for :func:`get_and_finish`, every page touched now (before
     the clock, as the GET ceiling's buffers are)."""
-    from shardkit.landing import Landing
+    from shardkit.cache.landing import Landing
 
     bufs = {key: Landing(-(-size // 4096) * 4096) for key, size in objects}
     for buf in bufs.values():

@@ -178,7 +178,7 @@ def run_module(module: str, python: str, cfg: dict[str, Any], env: dict[str, str
 
 
 def make_images(n: int) -> tuple[Path, int]:
-    from shardkit.sampledata import make_image_folder
+    from shardkit.dev.sampledata import make_image_folder
 
     root = DATA_CACHE / f"images-{n}"
     t0 = time.monotonic()

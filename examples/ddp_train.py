@@ -10,7 +10,7 @@ import sys
 import torch.distributed as dist
 
 from shardkit import StreamingDataLoader, StreamingDataset
-from shardkit.batching import unpack
+from shardkit.batch.collate import unpack
 
 url, cache = sys.argv[1], sys.argv[2]
 ckpt = sys.argv[3] if len(sys.argv) > 3 else None

@@ -19,17 +19,17 @@ __version__ = "0.1.0"
 # name -> module that defines it. Imported on first use so `import shardkit` stays cheap
 # (no torch, no pyarrow) until something is used.
 _LAZY = {
-    "pack": ".packer",
-    "open_dataset": ".reader",
-    "Dataset": ".reader",
-    "StreamingDataset": ".dataset",
-    "StreamingDataLoader": ".loader",
-    "ShardDataset": ".random_access",
-    "wds_shards": ".wds_stage",
-    "ShardWriter": ".writer",
-    "CenterCrop": ".codecs",
-    "index_tars": ".index",
-    "unpack": ".batching",
+    "pack": ".packing.pack",
+    "open_dataset": ".read.dataset",
+    "Dataset": ".read.dataset",
+    "StreamingDataset": ".datasets.streaming",
+    "StreamingDataLoader": ".datasets.loader",
+    "ShardDataset": ".datasets.random_access",
+    "wds_shards": ".datasets.wds",
+    "ShardWriter": ".packing.writer",
+    "CenterCrop": ".batch.codecs",
+    "index_tars": ".packing.index",
+    "unpack": ".batch.collate",
 }
 
 __all__ = [*_LAZY, "errors", "__version__"]

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .config import human_bytes, parse_size
-from .errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
+from shardkit.config import human_bytes, parse_size
+from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
 
 
 def _print_json(obj: Any) -> None:
@@ -30,7 +30,7 @@ def check_scheme(url: str, what: str) -> None:
     import fsspec
     from fsspec.core import split_protocol
 
-    from .storage import refuse_url_credentials
+    from shardkit.storage.store import refuse_url_credentials
 
     refuse_url_credentials(url, what)  # before any message repeats the URL
     for part in url.split("::"):  # chained URLs: simplecache::s3://...
@@ -58,8 +58,8 @@ def sample_rate(samples: int, seconds: float) -> str:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from .packer import pack
-    from .transforms import transform_from_options
+    from shardkit.packing.pack import pack
+    from shardkit.packing.transforms import transform_from_options
 
     check_scheme(args.source, "SOURCE")
     check_scheme(args.dest, "DEST")
@@ -87,7 +87,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .reader import open_dataset
+    from shardkit.read.dataset import open_dataset
 
     check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
@@ -114,9 +114,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .errors import IntegrityError
-    from .progress import Progress
-    from .reader import Dataset
+    from shardkit.errors import IntegrityError
+    from shardkit.packing.progress import Progress
+    from shardkit.read.dataset import Dataset
 
     check_scheme(args.dest, "DEST")
     try:
@@ -141,7 +141,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .index import index_tars
+    from shardkit.packing.index import index_tars
 
     check_scheme(args.dest, "DEST")
     info = index_tars(args.dest, overwrite=args.overwrite, progress=not (args.json or args.quiet))

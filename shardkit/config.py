@@ -10,7 +10,7 @@ import operator
 import os
 import re
 
-from .errors import ConfigError
+from shardkit.errors import ConfigError
 
 _UNITS = {
     "": 1, "B": 1,
@@ -23,6 +23,12 @@ _SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 DEFAULT_SHARD_BYTES = 512 * 10**6
 DEFAULT_TASK_BYTES = 2 * 10**9
+
+# The SHARDKIT_* environment knobs, each with its default; read through the functions below,
+# when called. Why each default is what it is lives beside the code that uses it.
+ROOM_WAIT_ENV, ROOM_WAIT_SECONDS = "SHARDKIT_ROOM_WAIT", 5.0
+LANDING_ENV, LANDING_BYTES = "SHARDKIT_LANDING_BYTES", 512 * 2**20
+KEEP_MAPS_ENV, KEEP_MAPS_BYTES = "SHARDKIT_KEEP_MAPS", 16 * 2**30
 
 
 def parse_size(value: int | float | str, option: str) -> int:
@@ -84,7 +90,53 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def room_wait() -> float:
+    """Seconds a reader waits for cache room that other readers' open shards hold, before it
+    reads the shard around the cache.
+
+    Returns:
+        ``SHARDKIT_ROOM_WAIT`` if set, else :data:`ROOM_WAIT_SECONDS`.
+
+    Raises:
+        ConfigError: the variable is not a number >= 0.
+    """
+    return env_seconds(ROOM_WAIT_ENV, ROOM_WAIT_SECONDS)
+
+
+def landing_budget() -> int:
+    """Bytes of landing buffers (page-aligned fill buffers for cold shards) one process may hold.
+
+    Returns:
+        ``SHARDKIT_LANDING_BYTES`` if set (``0`` turns landing buffers off), else
+        :data:`LANDING_BYTES`.
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
+    return env_bytes(LANDING_ENV, LANDING_BYTES)
+
+
+def keep_maps_budget() -> int:
+    """Bytes of cache files one process may keep mapped from one epoch to the next.
+
+    Returns:
+        ``SHARDKIT_KEEP_MAPS`` if set (``0`` turns keeping off), else :data:`KEEP_MAPS_BYTES`.
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
+    return env_bytes(KEEP_MAPS_ENV, KEEP_MAPS_BYTES)
+
+
 def human_bytes(n: float) -> str:
+    """A byte count for messages, in decimal units: ``512 B``, ``1.5 MB``, ``2.0 GB``.
+
+    Args:
+        n: the number of bytes.
+
+    Returns:
+        The count with one decimal and its unit.
+    """
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

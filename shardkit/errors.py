@@ -7,6 +7,13 @@ translated and kept as ``__cause__``. Messages are one line and name the object 
 
 from __future__ import annotations
 
+__all__ = [
+    "ShardkitError", "ConfigError", "SourceError", "SourceNotFoundError", "DatasetNotFoundError",
+    "DatasetExistsError", "ManifestError", "IntegrityError", "DecodeError", "UnsafeTarError",
+    "StorageError", "StorageStalledError", "StoragePermissionError", "CacheFullError", "NoRoomError",
+    "CacheGoneError", "SampleNotFoundError", "first_line",
+]
+
 
 class ShardkitError(Exception):
     """Base class of every shardkit error."""
@@ -63,6 +70,22 @@ class StoragePermissionError(StorageError, PermissionError):
 
 class CacheFullError(ShardkitError, TimeoutError):
     """Readers pin so much of the node cache that the next shard cannot fit within its limit."""
+
+
+class NoRoomError(CacheFullError):
+    """An open waited ``room_wait`` seconds while shards pinned by readers left no room for
+    its shard: the caller reads the shard around the cache."""
+
+
+class CacheGoneError(ShardkitError, FileNotFoundError):
+    """The cache's directory was removed while readers used it."""
+
+
+class SampleNotFoundError(ShardkitError, KeyError):
+    """``ShardDataset.by_key`` found no sample with that key."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
 
 
 def first_line(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from shardkit.devserver import DevServer, DevServerError, S3Server
+from shardkit.dev.devserver import DevServer, DevServerError, S3Server
 
 __all__ = ["REPO_ROOT", "S3Server"]  # test modules import these from conftest
 
@@ -76,7 +76,7 @@ def s3_server() -> Iterator[S3Server]:
     """A SeaweedFS S3 server on a free loopback port for the whole session.
 
     Random keys per session, a throwaway data dir, every port weed opens chosen free so
-    sessions can run side by side (see :mod:`shardkit.devserver`). Stopped by PID and its
+    sessions can run side by side (see :mod:`shardkit.dev.devserver`). Stopped by PID and its
     directory removed at the end; weed gets SIGTERM if pytest dies without tearing down.
     """
     pytest.importorskip("s3fs")

@@ -374,13 +374,13 @@ def test_verify_deep_checks_block_checksums(tmp_path: Path) -> None:
 def test_unexpected_errors_are_one_line_without_a_traceback(source: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    import shardkit.packer
+    import shardkit.packing.pack
     from shardkit.cli import main
 
     def fail(*_: Any, **__: Any) -> None:  # (a destination under a file did this; now it is bad usage)
         raise NotADirectoryError(20, "Not a directory", "/x/_pack")
 
-    monkeypatch.setattr(shardkit.packer, "pack", fail)
+    monkeypatch.setattr(shardkit.packing.pack, "pack", fail)
     assert main(["pack", str(source), str(tmp_path / "ds")]) == 1
     assert one_line(capsys.readouterr().err) == ("shardkit: error: NotADirectoryError: [Errno 20] Not a directory: "
                                                  "'/x/_pack' (--debug shows where)")

@@ -38,7 +38,7 @@ class Crop:
     """shardkit.CenterCrop(224) semantics on a ``{"jpg": bytes, ...}`` sample; picklable."""
 
     def __init__(self) -> None:
-        from shardkit.codecs import CenterCrop
+        from shardkit.batch.codecs import CenterCrop
 
         self.crop = CenterCrop(224, field="jpg")
 

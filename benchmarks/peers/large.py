@@ -86,7 +86,7 @@ def main() -> None:
                  for x in (cold, warm)]
         finish(rows, ["h5py", "numpy", "shardkit"])
         return
-    from shardkit.sources.hdf5 import Hdf5Source
+    from shardkit.packing.sources.hdf5 import Hdf5Source
 
     opts = {"key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
             "client_kwargs": {"endpoint_url": os.environ["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}

@@ -30,7 +30,7 @@ def storage_options() -> dict[str, Any]:
 
 def main() -> None:
     import shardkit
-    from shardkit.batching import collate
+    from shardkit.batch.collate import collate
 
     cfg = load_config()
     n, nbytes = int(cfg["num_images"]), int(cfg["total_bytes"])

@@ -1,0 +1,246 @@
+"""On-disk primitives of the node cache: flock locks that die with their holder, file names,
+liveness of temp-file owners, and a sink that hashes a download while it is written."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import io
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, cast
+from urllib.parse import quote
+
+import xxhash
+
+from shardkit.errors import IntegrityError
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One shard as the manifest describes it.
+
+    Attributes:
+        name: shard path relative to the dataset root, e.g. ``shards/shard-000003.tar``.
+        size: bytes.
+        checksum: xxh3-128 hex digest of the whole file.
+    """
+
+    name: str
+    size: int
+    checksum: str
+
+
+class FileLock:
+    """One flock on its own open file description, so threads exclude each other too."""
+
+    held: ClassVar[set[int]] = set()  # fds locked by this process; closed in forked children
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pid = fd, os.getpid()
+
+    @classmethod
+    def take(cls, path: str, op: int = fcntl.LOCK_EX) -> FileLock:
+        """Lock ``path`` (created if missing), waiting as long as it takes."""
+        return cast(FileLock, cls.try_take(path, op))
+
+    @classmethod
+    def try_take(cls, path: str, op: int) -> FileLock | None:
+        """Like :meth:`take`; None when ``op`` has LOCK_NB and the lock is taken."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, op)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, BlockingIOError) and op & fcntl.LOCK_NB:
+                return None
+            raise
+        cls.held.add(fd)
+        return cls(fd)
+
+    def release(self) -> None:
+        # A forked child shares the parent's lock; only the process that took it unlocks.
+        if self.fd >= 0 and self.pid == os.getpid():
+            FileLock.held.discard(self.fd)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+        self.fd = -1
+
+
+def close_inherited_locks() -> None:
+    # Else a DataLoader worker forked while the parent holds a lock would keep that lock
+    # alive after the parent dies: "locks die with their holder" would no longer hold.
+    for fd in list(FileLock.held):
+        os.close(fd)
+    FileLock.held.clear()
+
+
+os.register_at_fork(after_in_child=close_inherited_locks)
+
+try:
+    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (OSError, AttributeError):  # not glibc: the reservation stays logical only
+    _fallocate = None  # type: ignore[assignment]
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve disk blocks but keep st_size (FALLOC_FL_KEEP_SIZE), best effort.
+
+    st_size then keeps meaning "bytes downloaded so far", the point a resume starts from; a
+    failure (e.g. EOPNOTSUPP) only loses the early ENOSPC.
+    """
+    if _fallocate is not None and size > 0:
+        _fallocate(fd, 1, 0, size)
+
+
+def file_name(name: str) -> str:
+    """An injective, flat, non-hidden file name for a shard name."""
+    q = quote(name, safe="")
+    q = "%2E" + q[1:] if q.startswith(".") else q
+    if len(q) > 200:  # stay under NAME_MAX with suffixes; "%%" never occurs in quoted text
+        q = q[:150] + "%%" + xxhash.xxh3_64_hexdigest(name.encode())
+    return q
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def write_replace(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp name of this process and a rename, so a
+    reader sees the old file or the whole new one, never a part (OSError is the caller's)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # gone already is the state we want
+
+
+def list_with_stat(path: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
+    """Entries with their lstat; entries removed meanwhile are left out."""
+    out = []
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    out.append((e, e.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        pass  # a namespace without a .tmp dir holds nothing in flight
+    return out
+
+
+class FileId(NamedTuple):
+    """One version of one file: a replaced file (new inode) or a write (new mtime) differs."""
+
+    dev: int
+    ino: int
+    mtime_ns: int  # a verified cache file's mtime is the cache's stamp: any write moves it
+    size: int
+
+    @staticmethod
+    def of(st: os.stat_result) -> FileId:
+        return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@dataclass
+class CacheEntry:
+    """A file that counts against the limit."""
+
+    path: str
+    ns: str
+    file: str
+    size: int  # st_size of a shard; the full reservation of a temp file
+    last_use: int  # ns: a shard's atime (set on every open), a temp file's mtime
+    temp: bool
+    pid: int = 0
+
+
+class HashingSink(io.RawIOBase):
+    """The ``out`` given to fetch: writes through to the temp file and hashes as it goes."""
+
+    def __init__(self, fd: int, ref: ShardRef, start: int) -> None:
+        super().__init__()
+        self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
+        self._hash = xxhash.xxh3_128()
+        if start:  # resuming: hash the bytes already there
+            with mmap.mmap(fd, start, access=mmap.ACCESS_READ) as m:
+                self._hash.update(m)
+        os.lseek(fd, start, os.SEEK_SET)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, b: object) -> int:  # type: ignore[override]
+        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
+        if self.overflow or self.pos + mv.nbytes > self._ref.size:
+            self.overflow = True  # never write past the reservation
+            raise IntegrityError(f"shard {self._ref.name}: fetch wrote more than its {self._ref.size} bytes")
+        self._hash.update(mv)
+        left = mv
+        while left.nbytes:
+            left = left[os.write(self._fd, left):]
+        self.pos += mv.nbytes
+        return mv.nbytes
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def ok(self) -> bool:
+        return not self.overflow and self.pos == self._ref.size and self.digest() == self._ref.checksum.lower()
+
+
+def hash_fd(fd: int, size: int) -> str:
+    if size == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+        return xxhash.xxh3_128_hexdigest(m)
+
+
+_STAMP_BASE_S = 1_000_000_000  # 2001-09-09: no real write to a cached file gets an mtime there
+
+
+def verified_stamp_ns(checksum: str) -> int:
+    """The mtime the cache gives a shard file once its bytes matched ``checksum``.
+
+    Any later write to the file sets its mtime to the current time, so "mtime equals the
+    stamp" means "unchanged since verified", for every process on the node: a warm epoch
+    does not hash every shard again. Whole seconds, so coarse-timestamp file systems keep it.
+    """
+    try:
+        spread = int(checksum[:8], 16)
+    except ValueError:
+        spread = 0
+    return (_STAMP_BASE_S + spread % 31_536_000) * 1_000_000_000
+
+
+def stamp_verified(fd: int, checksum: str) -> None:
+    """Mark the file as verified (mtime = stamp) and used now (atime: the LRU clock)."""
+    mark_used(fd, verified_stamp_ns(checksum))
+
+
+def mark_used(fd: int, mtime_ns: int) -> None:
+    """Set atime (the LRU clock) to now and mtime to ``mtime_ns``."""
+    try:
+        os.utime(fd, ns=(time.time_ns(), mtime_ns))
+    except OSError:  # not the file's owner: no stamp (verified again next time), no LRU touch
+        pass

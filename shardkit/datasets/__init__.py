@@ -1,0 +1,3 @@
+"""The torch-facing readers: StreamingDataset, StreamingDataLoader, ShardDataset and the
+WebDataset stage. The only package that imports torch.
+"""

@@ -1,0 +1,167 @@
+"""``wds_shards``: shardkit's node cache and epoch order as the first stage of a WebDataset pipeline.
+
+::
+
+    pipeline = wds.DataPipeline(
+        shardkit.wds_shards("s3://bucket/ds", cache_dir="/nvme/shardkit", shuffle=True, seed=0),
+        wds.tarfile_to_samples(), wds.shuffle(1000), wds.decode("pil"), wds.batched(64))
+
+The stage yields ``{"url": <local path of the cached, verified shard>}`` for the shards of
+this rank / DataLoader worker / epoch, in :class:`~shardkit.read.partition.EpochOrder` shard order,
+prefetching the next ones into the cache. Each shard stays pinned (never evicted) until the
+pipeline asks for the next one, i.e. while downstream stages read it.
+
+A shard that finds no room in the cache for ``SHARDKIT_ROOM_WAIT`` seconds (default 5)
+because other readers keep theirs open (DataLoader workers take turns, so a worker waiting for
+room may be the one its sibling waits for) is read from storage into memory instead, checked
+against the manifest, and yielded as a ``shardkit-mem://`` URL that the stage registers in
+WebDataset's ``gopen_schemes``: the pipeline goes on, and a warning says to raise cache_limit.
+
+The split is by whole shards: the epoch's shard order is dealt round-robin over
+``world_size x num_workers`` readers, so readers' shard counts differ by one where the
+shards do not divide evenly (nothing is repeated to pad them), and sample counts per rank
+differ more. DDP training that needs exactly equal per-rank sample (or batch) counts and
+exact resume should use :class:`shardkit.StreamingDataset` instead (or give the pipeline a
+fixed length with ``.with_epoch(n)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import itertools
+import os
+from typing import Any, Iterator
+
+from shardkit.cache.shard_cache import ShardCache
+from shardkit.errors import NoRoomError
+from shardkit.config import int_arg, parse_size, room_wait
+from shardkit.datasets.epoch_control import ControlDir
+from shardkit.errors import ConfigError
+from shardkit.read.partition import DEFAULT_BLOCK_SHARDS, EpochOrder
+from shardkit.read.dataset import Dataset
+from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
+from shardkit.read.topology import FromParent, current
+
+try:
+    from torch.utils.data import IterableDataset as _IterableBase
+except ImportError:  # pragma: no cover - exercised only without torch
+    _IterableBase = object  # type: ignore[misc,assignment]
+
+
+class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 - a wds-style stage name
+    """A WebDataset source stage yielding cached local shard paths for this reader.
+
+    Args:
+        url: shardkit dataset root.
+        cache_dir: node-local cache directory (required: WebDataset reads local files).
+        cache_limit: bound on the cache size.
+        shuffle: shuffle the shard order each epoch (reproducibly from ``seed``).
+        seed: shuffle seed.
+        epoch: epoch number; or call :meth:`set_epoch` (read when iteration starts).
+        storage_options: fsspec options for the dataset URL.
+        prefetch: shards downloaded ahead of the one being read.
+        rank, world_size: override the topology (default: torch.distributed or env).
+    """
+
+    def __init__(self, url: str, cache_dir: str | os.PathLike[str], cache_limit: int | str = "200GB", *,
+                 shuffle: bool = False, seed: int = 0, epoch: int = 0, storage_options: dict[str, Any] | None = None,
+                 prefetch: int = 2, rank: int | None = None, world_size: int | None = None) -> None:
+        if cache_dir is None:
+            raise ConfigError("wds_shards: cache_dir is required (WebDataset opens local files)")
+        self.ds = Dataset(url, storage_options)
+        self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
+        self.shuffle, self.seed = bool(shuffle), int_arg("seed", seed, 0, 2**64 - 1)
+        self.epoch, self.prefetch = int_arg("epoch", epoch, 0, 2**32 - 1), int_arg("prefetch", prefetch, 0)
+        self.world_size = None if world_size is None else int_arg("world_size", world_size, 1)
+        self.rank = None if rank is None else int_arg("rank", rank, 0)
+        self._parent = FromParent()  # the rank, for DataLoader workers that are not forked
+        # Persistent DataLoader workers keep the stage they started with: set_epoch reaches
+        # them through this file, read when each iteration starts (as StreamingDataset does).
+        self._control = ControlDir("shardkit-wds-")
+        self._control.write({"epoch": self.epoch})
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read the shards of ``epoch`` from the next iteration on (also in persistent workers)."""
+        self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
+        self._control.write({"epoch": self.epoch})
+
+    def shards(self) -> list[int]:
+        """Shard ids this rank/worker reads this epoch, in order."""
+        topo = current(self.rank, self.world_size, self._parent)
+        epoch = int((self._control.read() or {}).get("epoch", self.epoch))
+        order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                           block_shards=DEFAULT_BLOCK_SHARDS)
+        readers = topo.world_size * topo.num_workers
+        me = topo.rank * topo.num_workers + topo.worker
+        return [int(s) for s in order.shard_order[me::readers] if self.ds.shard_list[int(s)].num_samples]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        mine = self.shards()
+        cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
+                           room_wait=room_wait())
+        source = ShardSource(self.ds, cache, self.prefetch)
+        infos = self.ds.shard_list
+        try:
+            source.plan(mine)
+            for i, shard in enumerate(mine):
+                source.advance(mine[i + 1:i + 1 + self.prefetch])
+                try:
+                    cached = cache.open(shard_ref(infos[shard]), source.fetch)
+                except NoRoomError as exc:
+                    url = _hold_in_memory(source.read_uncached(shard, exc), infos[shard].path)
+                    try:
+                        yield {"url": url, "__shard__": infos[shard].path}
+                    finally:
+                        _IN_MEMORY.pop(url, None)  # opened by now, or never will be
+                    continue
+                with cached:
+                    yield {"url": cached.path, "__shard__": infos[shard].path}
+        finally:
+            source.close()
+
+    def __call__(self) -> Iterator[dict[str, Any]]:
+        return iter(self)
+
+
+MEM_SCHEME = "shardkit-mem"
+_IN_MEMORY: dict[str, memoryview] = {}  # shards read around a full cache, until gopen takes them
+_numbers = itertools.count()
+
+
+def _hold_in_memory(data: memoryview, shard_path: str) -> str:
+    """A URL WebDataset's gopen opens as a stream over ``data`` (once, in this process)."""
+    schemes = importlib.import_module("webdataset.gopen").gopen_schemes
+    schemes.setdefault(MEM_SCHEME, _open_in_memory)
+    url = f"{MEM_SCHEME}://{os.getpid()}/{next(_numbers)}/{shard_path}"
+    _IN_MEMORY[url] = data
+    return url
+
+
+def _open_in_memory(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> io.BufferedReader:
+    data = _IN_MEMORY.pop(url, None)
+    if data is None or mode != "rb":
+        raise FileNotFoundError(f"{url}: a shard shardkit read around a full cache opens once, for reading, "
+                                "in the process that yielded it")
+    return io.BufferedReader(_MemoryReader(data))
+
+
+class _MemoryReader(io.RawIOBase):
+    """A read-only stream over a memoryview (io.BytesIO would copy a whole shard)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data, self._pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        out = memoryview(buf).cast("B")
+        n = min(len(out), len(self._data) - self._pos)
+        out[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._data = memoryview(b"")  # the shard's memory goes with the last reader of it
+        super().close()

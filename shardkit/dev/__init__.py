@@ -1,0 +1,2 @@
+"""Tools for trying shardkit out: a throwaway SeaweedFS server, the demo and sample data.
+"""

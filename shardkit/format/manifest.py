@@ -1,0 +1,226 @@
+"""Format v1 manifest: the Arrow schemas, shards.parquet, committing dataset.json (samples
+fragments are built in :mod:`shardkit.format.fragments`).
+
+Layout under a dataset root::
+
+    dataset.json                 commit marker, written last (create-only)
+    shards/shard-NNNNNN.tar      WebDataset shards
+    manifest/shards.parquet      one row per shard
+    manifest/samples-NNNNN.parquet  one row per sample, one file per pack task (for an iterable,
+                                    one per ~1M samples), one row group per shard
+
+``shards.parquet`` carries two columns beyond the v1 minimum, ``samples_file`` and
+``samples_row_group``, so a reader fetches exactly the row group of the shard it opens
+instead of scanning every fragment footer.
+
+Sample rows carry one optional column beyond the v1 minimum, right after ``checksum``:
+``block_checksums`` list<uint64>, the xxh3-64 of each block of ``BLOCK_BYTES`` (recorded in
+the fragment's schema metadata as ``shardkit.block_bytes``) of the sample's bytes
+``[offset, offset+size)``, null for samples of one block or less. It lets a partial read of
+a huge sample check only the blocks it fetched (:mod:`shardkit.format.checksums`). Manifests
+without it (written before it existed) stay readable.
+
+A fragment's schema metadata also records ``shardkit.shard_checksums``: a JSON object of
+shard number -> the shard's xxh3-128 (as in ``shards.parquet``) for the shards it holds rows
+of. Readers check it against the ``shards.parquet`` they opened; fragments without it (older
+packs) are read as before.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shardkit import __version__
+from shardkit.format.checksums import BLOCK_BYTES, BLOCK_BYTES_KEY
+from shardkit.errors import ManifestError, first_line
+from shardkit.storage.store import Store
+from shardkit.format.rows import SampleRows, ShardRecord
+
+FORMAT = "shardkit"
+VERSION = 1
+DATASET_JSON = "dataset.json"
+SHARDS_PARQUET = "manifest/shards.parquet"
+# A fragment's schema metadata: the xxh3-128 of each shard it describes, as shards.parquet
+# has it. Ties the rows to that pack: a reader that opened another pack at the same URL
+# (re-packed since) refuses the fragment instead of reading the new shards with new rows.
+SHARD_CHECKSUMS_KEY = b"shardkit.shard_checksums"
+
+FIELD_TYPE = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
+
+SAMPLE_COLUMNS = pa.schema([
+    ("key", pa.string()),
+    ("shard", pa.int32()),
+    ("offset", pa.int64()),
+    ("size", pa.int64()),
+    ("fields", pa.list_(FIELD_TYPE)),
+    ("checksum", pa.uint64()),
+    ("block_checksums", pa.list_(pa.uint64())),
+])
+
+SHARD_SCHEMA = pa.schema([
+    ("shard", pa.int32()),
+    ("path", pa.string()),
+    ("num_samples", pa.int64()),
+    ("bytes", pa.int64()),
+    ("first_sample", pa.int64()),
+    ("checksum", pa.string()),
+    ("samples_file", pa.string()),
+    ("samples_row_group", pa.int32()),
+])
+
+
+def parquet_file(data: bytes, name: str = "manifest") -> pq.ParquetFile:
+    """A ParquetFile over bytes in memory.
+
+    Always through ``pa.BufferReader``, and callers read with ``use_threads=False``: pyarrow
+    26 sometimes aborts the interpreter at exit ("terminate called without an active
+    exception") once its thread pools ran (reading through a Python file object did so ~1 run
+    in 10 here). Manifest row groups are small: threads buy nothing there.
+    """
+    try:
+        return pq.ParquetFile(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{name} is not a readable Parquet file ({first_line(exc)})") from exc
+
+
+def fragment_name(task: int) -> str:
+    return f"manifest/samples-{task:05d}.parquet"
+
+
+def sample_table(rows: SampleRows) -> pa.Table:
+    """Arrow table of sample rows: the v1 columns, then user metadata columns (sorted by name,
+    each typed by pyarrow's inference over the whole column)."""
+    base = pa.Table.from_batches([sample_batch(rows)]).replace_schema_metadata({BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()})
+    for name in sorted({k for m in rows.meta for k in m}):
+        base = base.append_column(name, meta_array(name, [m.get(name) for m in rows.meta]))
+    return base
+
+
+def sample_batch(rows: SampleRows) -> pa.RecordBatch:
+    """The v1 columns of ``rows``."""
+    return pa.RecordBatch.from_arrays([
+        pa.array(rows.key, pa.string()),
+        pa.array(rows.shard, pa.int32()),
+        pa.array(rows.offset, pa.int64()),
+        pa.array(rows.size, pa.int64()),
+        pa.array(rows.fields, pa.list_(FIELD_TYPE)),
+        pa.array(rows.checksum, pa.uint64()),
+        pa.array(rows.blocks, pa.list_(pa.uint64())),
+    ], schema=SAMPLE_COLUMNS)
+
+
+def meta_array(name: str, values: list[Any]) -> pa.Array:
+    if name in SAMPLE_COLUMNS.names:
+        raise ManifestError(f"metadata column {name!r} clashes with a manifest column")
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ManifestError(f"metadata column {name!r} mixes incompatible types: {exc}") from exc
+
+
+def row_groups_of(data: bytes, shards: Sequence[ShardRecord]) -> list[int]:
+    # Empty shards write no row group; map each shard to its real row-group index (-1 if empty).
+    md = parquet_file(data).metadata
+    by_shard: dict[int, int] = {}
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        if rg.num_rows:
+            stats = rg.column(1).statistics
+            if stats is None or not stats.has_min_max:
+                raise ManifestError("fragment row group without shard statistics")
+            by_shard[int(stats.min)] = g
+    return [by_shard.get(s.shard, -1) for s in shards]
+
+
+def shards_table(records: Sequence[ShardRecord], samples_files: Sequence[str], row_groups: Sequence[int]) -> pa.Table:
+    """manifest/shards.parquet rows in shard order, with global first_sample filled in."""
+    order = sorted(range(len(records)), key=lambda i: records[i].shard)
+    first = 0
+    cols: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
+    for expected, i in enumerate(order):
+        rec = records[i]
+        if rec.shard != expected:
+            raise ManifestError(f"shard numbers are not 0..n-1: expected {expected}, found {rec.shard}")
+        cols["shard"].append(rec.shard)
+        cols["path"].append(rec.path)
+        cols["num_samples"].append(rec.num_samples)
+        cols["bytes"].append(rec.bytes)
+        cols["first_sample"].append(first)
+        cols["checksum"].append(rec.checksum)
+        cols["samples_file"].append(samples_files[i])
+        cols["samples_row_group"].append(row_groups[i])
+        first += rec.num_samples
+    return pa.table(cols, schema=SHARD_SCHEMA)
+
+
+def write_shards_table(store: Store, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    store.put_bytes(SHARDS_PARQUET, buf.getvalue())
+
+
+def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any],
+                 labels: dict[str, int] | None, skipped: Sequence[dict[str, str]],
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_samples": int(pc.sum(shards.column("num_samples")).as_py() or 0),
+        "num_shards": shards.num_rows,
+        "total_bytes": int(pc.sum(shards.column("bytes")).as_py() or 0),
+        "fields": sorted(fields),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "shardkit_version": __version__,
+        "source": source,
+        "labels": labels or {},
+        "skipped": list(skipped),
+    }
+    info.update(extra or {})
+    return info
+
+
+def commit(store: Store, info: dict[str, Any]) -> None:
+    """Write dataset.json create-only: exactly one of two racing packs commits."""
+    store.put_create(DATASET_JSON, json.dumps(info, indent=2, sort_keys=True).encode())
+
+
+def read_info(store: Store) -> dict[str, Any]:
+    from shardkit.errors import DatasetNotFoundError
+
+    if not store.exists(DATASET_JSON):
+        if store.is_object_store:
+            bucket = store.bucket_key("")[0]
+            if not store.call(lambda: store.fs.exists(bucket), bucket):
+                raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: bucket {bucket!r} does not exist "
+                                           f"at {store.where}")
+        hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
+        raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
+    raw = store.read_bytes(DATASET_JSON)
+    try:
+        info = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {exc}") from exc
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
+    if info.get("version") != VERSION:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
+    return info
+
+
+def read_shards(store: Store) -> pa.Table:
+    data = store.read_bytes(SHARDS_PARQUET)
+    try:
+        table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({first_line(exc)})") from exc
+    missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
+    if missing:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")
+    return table

@@ -1,0 +1,132 @@
+"""Running pack tasks as Ray tasks.
+
+Local Ray is the default (``address="local"``: never a bare ``ray.init()`` that could attach
+to a stale cluster); a cluster by address, or the one ``ray job submit`` put us in
+(``RAY_ADDRESS``). Tasks get the Store and Source (URLs and options only; the Store with the
+S3 endpoint and region the driver resolved, never its keys) and their slice of
+items; they write to storage themselves and return small results, so the driver holds no
+data. In-flight tasks are bounded to keep the object store and memory small.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+from typing import Any, Callable
+
+from shardkit.errors import ConfigError, ShardkitError
+from shardkit.packing.pack import PackOptions, TaskResult, completed_task, run_task
+from shardkit.packing.plan import PackPlan
+from shardkit.packing.progress import Progress
+from shardkit.packing.sources.base import Source
+from shardkit.storage.store import Store, with_env_location
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def ensure_ray(address: str | None) -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("engine='ray' needs Ray: pip install 'shardkit[ray]'") from exc
+    if ray.is_initialized():
+        return ray
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    probe_ray_address(target)
+    kwargs: dict[str, Any] = {"address": target, "log_to_driver": True, "ignore_reinit_error": True}
+    if target == "local":
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        raise ShardkitError(f"cannot start or reach Ray at {target}: {type(exc).__name__}: {exc}") from exc
+    return ray
+
+
+def probe_ray_address(address: str, timeout: float = 5.0) -> None:
+    """Fail at once, naming ``address``, when nothing listens at an explicit ``host:port``
+    (or ``ray://host:port``): ``ray.init`` would retry the GCS connection for ~14 minutes,
+    printing C++ warnings. ``local``, ``auto`` and other forms are left to Ray."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    if "://" in rest or rest in ("local", "auto"):
+        return
+    host, sep, port_text = rest.rstrip("/").rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        return
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:6379
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ShardkitError(f"cannot reach Ray at {address}: nothing answers on {host}:{port_text} "
+                            f"({exc.strerror or type(exc).__name__}); is the cluster's head running?") from exc
+
+
+def for_tasks(src: Source) -> Source:
+    """``src`` as tasks on other nodes must see it: WebDataset tars on S3 read from the endpoint
+    and region this driver resolved (:func:`~shardkit.storage.store.with_env_location`)."""
+    from shardkit.packing.sources.wds import WdsTarSource
+
+    if isinstance(src, WdsTarSource) and any(u.startswith(("s3://", "s3a://")) for u in src.urls):
+        pinned = copy.copy(src)
+        pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None
+        return pinned
+    return src
+
+
+def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: str, opts: PackOptions) -> TaskResult:
+    # Skip work a killed earlier attempt (or a retry of this task) already finished.
+    done = completed_task(store, task, plan_id)
+    return done if done is not None else run_task(store, source, task, items, plan_id, opts)
+
+
+def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+                     address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
+    """Run the plan's tasks on Ray, at most a few per CPU at once. ``check`` is called before
+    each task is submitted (the pack's claim: it raises once another pack took over)."""
+    ray = ensure_ray(address)
+    # The tasks write where this driver plans and commits, whatever endpoint their nodes'
+    # environments name (a worker without AWS_ENDPOINT_URL would otherwise go to AWS itself).
+    store = Store(store.url, with_env_location(store.url, store.storage_options))
+    src = for_tasks(src)
+    remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
+    max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
+    results: dict[int, TaskResult] = {}
+    pending: dict[Any, int] = {}
+    todo = list(plan.tasks)
+    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
+        while todo or pending:
+            while todo and len(pending) < max_in_flight:
+                if check is not None:
+                    try:
+                        check()
+                    except BaseException:
+                        for other in pending:
+                            ray.cancel(other)
+                        raise
+                task = todo.pop(0)
+                ref = remote.remote(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts)
+                pending[ref] = task.task
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                pending.pop(ref)
+                try:
+                    res: TaskResult = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    for other in pending:
+                        ray.cancel(other)
+                    if isinstance(cause, ShardkitError):
+                        raise cause from None
+                    raise
+                results[res.task] = res
+                bar.advance(res.samples, res.bytes)
+                bar.task_done()
+    return [results[t.task] for t in plan.tasks]

@@ -1,0 +1,91 @@
+"""Any Python iterable of dicts as a pack source (streamed, local engine).
+
+Each dict is a WebDataset-style sample: ``{"__key__": "0001", "jpg": b"...", "cls": 3}``;
+field names are lowercased (``"JPG"`` is field ``jpg``), as the webdataset library reads them.
+Values are encoded by type: bytes as is, str as UTF-8, int/float as text, numpy arrays as
+``.npy``, dicts and lists as JSON. ``"__meta__": {...}`` holds manifest metadata columns.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from shardkit.errors import SourceError
+from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, safe_key
+
+log = logging.getLogger(__name__)
+
+
+def encode_value(key: str, field: str, value: Any) -> FieldValue:
+    if isinstance(value, (bytes, StreamedField)):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bool, np.bool_)):
+        return str(int(value)).encode()
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return str(value).encode()
+    if isinstance(value, np.ndarray):
+        buf = io.BytesIO()
+        np.save(buf, value, allow_pickle=False)
+        return buf.getvalue()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True).encode()
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    raise SourceError(f"sample {key!r}: field {field!r} has unsupported type {name}")
+
+
+def samples_from_iterable(items: Iterable[dict[str, Any]],
+                          skipped: list[dict[str, str]] | None = None) -> Iterator[PackSample]:
+    """Validate and encode dict samples; keys default to the running index.
+
+    Field names are lowercased, as the webdataset library reads them. A bad item raises a
+    SourceError naming it; with ``skipped`` given (``on_error="skip"``) it is left out and
+    recorded there instead, as dataset.json's ``skipped`` lists bad samples.
+    """
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        key = ""
+        try:
+            if not isinstance(item, dict):
+                raise SourceError(f"item {i} of the iterable is a {type(item).__name__}, expected a dict")
+            raw = item.get("__key__", f"{i:09d}")
+            key = safe_key(str(raw) if not isinstance(raw, bytes) else raw)
+            if key in seen:
+                raise SourceError(f"duplicate key {key!r} in the iterable (item {i})")
+            sample = _sample(i, key, raw, item)
+        except SourceError as exc:
+            if skipped is None:
+                raise
+            log.warning("skipped item %d: %s", i, exc)
+            skipped.append({"ref": f"item {i}", "key": key, "reason": str(exc)})
+            continue
+        seen.add(key)
+        yield sample
+
+
+def _sample(i: int, key: str, raw: Any, item: dict[str, Any]) -> PackSample:
+    meta = dict(item.get("__meta__") or {})
+    reserved = sorted(MANIFEST_COLUMNS.intersection(meta))
+    if reserved:  # refused now: the manifest would refuse it only after the shards were written
+        raise SourceError(f"sample {key!r} (item {i}): __meta__ name {reserved[0]!r} is reserved (the manifest "
+                          f"has its own {reserved[0]!r} column); rename it")
+    if key != raw:
+        # The manifest needs valid UTF-8: undecodable bytes (or their surrogate escapes) -> U+FFFD.
+        raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode("utf-8", "surrogateescape")
+        meta.setdefault("source", raw_bytes.decode("utf-8", "replace"))
+    names = [f for f in item if not f.startswith("__")]
+    if not names:
+        raise SourceError(f"sample {key!r} (item {i}) has no fields")
+    clash = case_clash(names)
+    if clash is not None:
+        raise SourceError(f"sample {key!r} (item {i}): {case_clash_reason(*clash)}")
+    return PackSample(key, {f.lower(): encode_value(key, f, item[f]) for f in names}, meta)

@@ -1,0 +1,284 @@
+"""``.npy`` / ``.npz`` files as a source, and the ``.npy`` header helper the array sources share.
+
+A ``.npy`` file becomes one sample with field ``npy`` whose bytes are the file, copied
+verbatim (so Fortran order, big-endian data and any header version survive). A ``.npz``
+becomes one sample with a field ``<array>.npy`` per member: npz members are ``.npy`` files in
+a zip, so their (decompressed) bytes are exactly what ``np.save`` would write.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import io
+import os
+import warnings
+import zipfile
+from pathlib import Path
+from typing import IO, Any, Iterator, Sequence, Union
+
+import numpy as np
+
+from shardkit.format.streams import CHUNK_BYTES, iter_exact, read_exact
+from shardkit.errors import SourceError, SourceNotFoundError
+from shardkit.packing.sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
+from shardkit.packing.sources.base import SourceItem, item_bytes
+
+try:  # numpy >= 2 keeps the implementation private; np.save's exact header writer lives there
+    from numpy.lib import _format_impl as _npformat
+except ImportError:  # pragma: no cover - numpy 1.x
+    from numpy.lib import format as _npformat  # type: ignore[no-redef]
+
+#: Largest piece a streamed field yields, and the size above which a member streams.
+
+_MAGIC = b"\x93NUMPY"
+# A header this large is not something np.save writes; refuse instead of reading it.
+_MAX_HEADER = 1 << 20
+
+PathLike = Union[str, os.PathLike]
+
+
+def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
+    """The exact bytes ``np.save`` writes before the data of a C-ordered array.
+
+    Args:
+        dtype: the array dtype (byte order kept; dtype metadata is dropped as np.save does).
+        shape: the array shape.
+
+    Raises:
+        SourceError: for dtypes holding Python objects, which ``.npy`` can only pickle.
+    """
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise SourceError(f"dtype {dt} holds Python objects and cannot be stored as .npy")
+    with warnings.catch_warnings():
+        # np.save warns about dropped dtype metadata and about format 2.0/3.0; so would we.
+        warnings.simplefilter("ignore", UserWarning)
+        header = {
+            "descr": np.lib.format.dtype_to_descr(dt),
+            "fortran_order": False,
+            "shape": tuple(int(n) for n in shape),
+        }
+        buf = io.BytesIO()
+        write = getattr(_npformat, "_write_array_header", None)
+        if write is not None:
+            write(buf, header, None)  # version None: the oldest that fits, as np.save chooses
+        else:  # pragma: no cover - a numpy without the private helper
+            try:
+                np.lib.format.write_array_header_1_0(buf, header)
+            except ValueError:
+                buf = io.BytesIO()
+                np.lib.format.write_array_header_2_0(buf, header)
+    return buf.getvalue()
+
+
+def parse_npy_header(fp: IO[bytes], *, name: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """Read and validate a ``.npy`` header from ``fp`` (positioned at its start).
+
+    Returns ``(dtype, shape, fortran_order, header_len)``; reads only the header.
+
+    Raises:
+        SourceError: naming ``name`` if the magic, version or header dict is bad, or the dtype
+            holds Python objects (pickled payloads are refused).
+    """
+    magic = read_exact(fp, 8)
+    if len(magic) < 8 or magic[:6] != _MAGIC:
+        raise SourceError(f"{name}: not a .npy file (bad magic)")
+    major = magic[6]
+    if major == 1:
+        len_bytes = read_exact(fp, 2)
+        prefix = 10
+    elif major in (2, 3):
+        len_bytes = read_exact(fp, 4)
+        prefix = 12
+    else:
+        raise SourceError(f"{name}: unsupported .npy format version {major}.{magic[7]}")
+    if len(len_bytes) < prefix - 8:
+        raise SourceError(f"{name}: truncated .npy header")
+    hlen = int.from_bytes(len_bytes, "little")
+    if hlen > _MAX_HEADER:
+        raise SourceError(f"{name}: .npy header of {hlen} bytes is implausibly large")
+    raw = read_exact(fp, hlen)
+    if len(raw) < hlen:
+        raise SourceError(f"{name}: truncated .npy header")
+    try:
+        text = raw.decode("utf8" if major == 3 else "latin1")
+        d = ast.literal_eval(text)
+        if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
+            raise ValueError("header keys")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dtype = np.lib.format.descr_to_dtype(d["descr"])
+        shape = tuple(int(n) for n in d["shape"])
+        fortran = bool(d["fortran_order"])
+        if any(n < 0 for n in shape):
+            raise ValueError("negative dimension")
+    except (ValueError, SyntaxError, TypeError, UnicodeDecodeError, MemoryError) as exc:
+        raise SourceError(f"{name}: bad .npy header: {exc}") from exc
+    if dtype.hasobject:
+        raise SourceError(f"{name}: .npy holds pickled Python objects (dtype {dtype}); refused")
+    return dtype, shape, fortran, prefix + hlen
+
+
+def _data_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def _file_chunks(path: str, size: int, name: str) -> Iterator[bytes]:
+    """The first ``size`` bytes of ``path`` in pieces of at most CHUNK_BYTES."""
+    with open(path, "rb") as f:
+        yield from iter_exact(f, size, name, CHUNK_BYTES)
+
+
+def _zip_member_chunks(path: str, member: str, size: int, name: str) -> Iterator[bytes]:
+    """The decompressed bytes of one zip member in pieces of at most CHUNK_BYTES."""
+    try:
+        with zipfile.ZipFile(path) as zf, zf.open(member) as f:
+            yield from iter_exact(f, size, name, CHUNK_BYTES)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise SourceError(f"{name}: cannot read npz member: {exc}") from exc
+
+
+class NpySource:
+    """``.npy`` and ``.npz`` files: a directory (searched recursively) or a list of files.
+
+    Args:
+        paths_or_dir: a directory, one file, or a list of files (local paths).
+
+    Keys are :func:`safe_key` of the path relative to the directory (or to the files' common
+    parent) without extension; meta ``source`` is that relative path.
+    """
+
+    def __init__(self, paths_or_dir: PathLike | Sequence[PathLike]) -> None:
+        if isinstance(paths_or_dir, (str, os.PathLike)):
+            self.paths: list[str] = [os.fspath(paths_or_dir)]
+        else:
+            self.paths = [os.fspath(p) for p in paths_or_dir]
+        if not self.paths:
+            raise SourceError("NpySource: no paths given")
+
+    def __repr__(self) -> str:
+        return f"NpySource({self.paths if len(self.paths) != 1 else self.paths[0]!r})"
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def _root(self) -> str:
+        """The directory relative paths (keys, meta ``source``) are taken from."""
+        if len(self.paths) == 1 and os.path.isdir(self.paths[0]):
+            return self.paths[0]
+        return os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
+
+    def _files(self) -> list[tuple[str, str]]:
+        """(path, relative path) of every input file, sorted by relative path."""
+        if len(self.paths) == 1 and os.path.isdir(self.paths[0]):
+            root = Path(self.paths[0])
+            files = [f for f in root.rglob("*") if f.suffix in (".npy", ".npz") and f.is_file()]
+            out = [(str(f), f.relative_to(root).as_posix()) for f in files]
+            if not out:
+                raise SourceError(f"{root}: no .npy or .npz files found")
+        else:
+            for p in self.paths:
+                if not os.path.exists(p):
+                    raise SourceNotFoundError(f"{p}: no such file")
+                if not p.endswith((".npy", ".npz")) or not os.path.isfile(p):
+                    raise SourceError(f"{p}: not a .npy or .npz file")
+            base = self._root()
+            absolute = [os.path.abspath(p) for p in self.paths]
+            out = [(p, Path(os.path.relpath(p, base)).as_posix()) for p in absolute]
+        return sorted(out, key=lambda t: t[1])
+
+    def list_items(self) -> list[SourceItem]:
+        """One item per file; reads only the .npy headers (and the npz directory)."""
+        if len(self.paths) == 1 and not os.path.exists(self.paths[0]):
+            raise SourceNotFoundError(f"{self.paths[0]}: no such file or directory")
+        items: list[SourceItem] = []
+        seen: dict[str, str] = {}
+        for path, rel in self._files():
+            key = safe_key(rel.rsplit(".", 1)[0])
+            if path.endswith(".npy"):
+                nbytes = item_bytes(key, [("npy", self._check_npy(path, rel))])
+            else:
+                nbytes = item_bytes(key, ((field, size) for _, field, size in self._npz_members(path, rel)))
+            if key in seen:
+                raise SourceError(f"{rel}: key {key!r} collides with {seen[key]}")
+            seen[key] = rel
+            items.append(SourceItem(ref=path, nbytes=nbytes, key=key))
+        return items
+
+    @staticmethod
+    def _check_npy(path: str, rel: str) -> int:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            dtype, shape, _, header_len = parse_npy_header(f, name=rel)
+        expected = header_len + _data_nbytes(dtype, shape)
+        if size != expected:
+            raise SourceError(f"{rel}: file is {size} bytes but its .npy header implies {expected}")
+        return size
+
+    @staticmethod
+    def _npz_members(path: str, rel: str) -> list[tuple[str, str, int]]:
+        """(zip member, field name, size) per array, validated (headers only)."""
+        out = []
+        try:
+            with zipfile.ZipFile(path) as zf:
+                for info in sorted(zf.infolist(), key=lambda i: i.filename):
+                    if info.is_dir():
+                        continue
+                    mname = f"{rel}:{info.filename}"
+                    if not info.filename.endswith(".npy"):
+                        raise SourceError(f"{mname}: npz member is not a .npy array")
+                    field = info.filename
+                    try:
+                        check_field_name(field)
+                    except SourceError as exc:
+                        raise SourceError(f"{mname}: {exc}") from None
+                    with zf.open(info) as f:
+                        dtype, shape, _, header_len = parse_npy_header(f, name=mname)
+                    expected = header_len + _data_nbytes(dtype, shape)
+                    if info.file_size != expected:
+                        raise SourceError(
+                            f"{mname}: member is {info.file_size} bytes but its header implies {expected}"
+                        )
+                    out.append((info.filename, field, info.file_size))
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise SourceError(f"{rel}: not a readable .npz (zip) file: {exc}") from exc
+        if not out:
+            raise SourceError(f"{rel}: .npz holds no arrays")
+        return out
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load(self, item: SourceItem) -> PackSample:
+        """Read one file; members larger than CHUNK_BYTES become StreamedFields."""
+        path = item.ref
+        rel = self._rel(path)
+        fields: dict[str, FieldValue] = {}
+        if not os.path.exists(path):
+            raise SourceNotFoundError(f"{rel}: no such file")
+        if path.endswith(".npy"):
+            size = self._check_npy(path, rel)
+            fields["npy"] = _small_or_streamed(functools.partial(_file_chunks, path, size, rel), size)
+        else:
+            for member, field, size in self._npz_members(path, rel):
+                name = f"{rel}:{member}"
+                fields[field] = _small_or_streamed(
+                    functools.partial(_zip_member_chunks, path, member, size, name), size
+                )
+        return PackSample(key=item.key, fields=fields, meta={"source": rel})
+
+    def _rel(self, path: str) -> str:
+        return Path(os.path.relpath(path, self._root())).as_posix()
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "npy", "paths": list(self.paths)}
+
+    def labels(self) -> dict[str, int] | None:
+        return None
+
+
+def _small_or_streamed(chunks: functools.partial[Iterator[bytes]], size: int) -> FieldValue:
+    """Small bodies are read now (one open instead of two); big ones stream later."""
+    if size <= CHUNK_BYTES:
+        data = b"".join(chunks())
+        return data
+    return StreamedField(size=size, chunks=chunks)

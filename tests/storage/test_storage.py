@@ -1,0 +1,342 @@
+"""shardkit.storage.store: retry classification, error translation, resumed fetches, fork safety."""
+
+from __future__ import annotations
+
+import errno
+import io
+import multiprocessing
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+from conftest import S3Server
+
+import shardkit
+from shardkit.storage.store import store as storage
+from shardkit.errors import ConfigError, StorageError, StoragePermissionError
+from shardkit.storage.store import Store, is_transient, retrying, translate
+
+SECRET = "s3cr3t-" + "x" * 20
+
+
+def client_error(code: str, message: str = "boom") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": message}}, "GetObject")
+
+
+@pytest.fixture
+def no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage.time, "sleep", lambda _s: None)
+
+
+# --------------------------------------------------------------------------- classification
+
+
+@pytest.mark.parametrize("exc", [
+    ConnectionError("reset"), TimeoutError("slow"), OSError(errno.ECONNRESET, "reset by peer"),
+    OSError(errno.EIO, "io"), client_error("SlowDown", "Please reduce your request rate"),
+    client_error("ServiceUnavailable"), client_error("503"), client_error("InternalError"),
+    OSError("IncompleteRead(10 bytes read)"),
+])
+def test_transient_faults_are_retried(exc: BaseException) -> None:
+    assert is_transient(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    PermissionError("denied"), FileNotFoundError("gone"), FileExistsError("there"),
+    StorageError("already ours"), client_error("NoSuchKey"), client_error("AccessDenied"),
+    client_error("InvalidAccessKeyId"), client_error("SignatureDoesNotMatch"), client_error("PreconditionFailed"),
+    ValueError("a bug, not a fault"),
+])
+def test_permanent_faults_are_not_retried(exc: BaseException) -> None:
+    assert not is_transient(exc)
+
+
+@pytest.mark.parametrize(("exc", "cls", "fragment"), [
+    (client_error("NoSuchKey"), StorageError, "not found"),
+    (client_error("NoSuchBucket"), StorageError, "not found"),
+    (client_error("AccessDenied"), StoragePermissionError, "access denied"),
+    (client_error("SignatureDoesNotMatch"), StoragePermissionError, "check credentials"),
+    (PermissionError("nope"), StoragePermissionError, "access denied"),
+    (FileNotFoundError("gone"), StorageError, "not found"),
+    (ConnectionError("refused"), StorageError, "cannot reach storage"),
+    (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StorageError, "cannot reach storage"),
+    (client_error("SlowDown"), StorageError, "storage error"),
+])
+def test_translate_maps_codes_and_names_the_object(exc: BaseException, cls: type, fragment: str) -> None:
+    err = translate(exc, "shards/000001.tar", "s3://bucket/ds (endpoint http://127.0.0.1:9000)")
+    assert type(err) is cls
+    assert isinstance(err, OSError)  # what users already catch
+    msg = str(err)
+    assert fragment in msg and "shards/000001.tar" in msg and "s3://bucket/ds" in msg
+    assert "\n" not in msg
+
+
+def test_translate_keeps_shardkit_errors() -> None:
+    err = StorageError("mine")
+    assert translate(err, "x", "y") is err
+
+
+def test_no_secret_in_store_repr_where_or_errors() -> None:
+    opts = {"key": "AKIDEXAMPLE", "secret": SECRET,
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:1", "region_name": "us-east-1"}}
+    store = Store("s3://bucket/ds", storage_options=opts)
+    assert SECRET not in repr(store)
+    assert SECRET not in store.where and "http://127.0.0.1:1" in store.where
+    for exc in (client_error("AccessDenied"), client_error("SlowDown"), ConnectionError("refused")):
+        assert SECRET not in str(translate(exc, "dataset.json", store.where))
+
+
+@pytest.mark.parametrize("url", [
+    "s3://AKIDEXAMPLE:{s}@bucket/ds",
+    "s3://AKIDEXAMPLE:ab/{s}+c@bucket/ds",  # AWS secret keys may hold '/'
+    "simplecache::s3://AKIDEXAMPLE:{s}@bucket/ds",
+    "https://user:{s}@example.com/ds",
+])
+def test_credentials_in_a_url_are_refused_without_repeating_them(url: str, tmp_path: Any) -> None:
+    url = url.format(s=SECRET)
+    calls: list[Any] = [
+        lambda: Store(url),
+        lambda: shardkit.open_dataset(url),
+        lambda: shardkit.StreamingDataset(url),
+        lambda: shardkit.pack([{"__key__": "a", "txt": b"x"}], url),
+        lambda: shardkit.pack(url, str(tmp_path / "out")),  # as the source
+        lambda: shardkit.index_tars(url),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError) as info:
+            call()
+        text = str(info.value)
+        assert SECRET not in text and "AKIDEXAMPLE" not in text and "***@" in text, text
+        assert "storage_options" in text and "AWS_" in text and "\n" not in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_redact_url_leaves_urls_without_credentials_alone() -> None:
+    for url in ("s3://bucket/user@example.com/ds", "http://host:8080/a@b", "/tmp/a@b", "file:///tmp/x@y",
+                "memory://ds", "s3://bucket/ds"):
+        assert storage.redact_url(url) == url
+    assert storage.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
+
+
+def test_endpoint_with_credentials_is_redacted_in_messages() -> None:
+    store = Store("s3://bucket/ds", {"client_kwargs": {"endpoint_url": f"http://u:{SECRET}@127.0.0.1:1"}})
+    assert SECRET not in store.where and "http://***@127.0.0.1:1" in store.where
+
+
+# --------------------------------------------------------------------------- retrying
+
+
+def flaky(failures: list[BaseException], result: Any = "ok") -> tuple[Any, list[int]]:
+    calls: list[int] = []
+
+    def fn() -> Any:
+        calls.append(1)
+        if len(calls) <= len(failures):
+            raise failures[len(calls) - 1]
+        return result
+
+    return fn, calls
+
+
+def test_retrying_recovers_from_transient_faults(no_sleep: None) -> None:
+    fn, calls = flaky([ConnectionError("reset"), client_error("SlowDown")])
+    assert retrying(fn, "obj", "here") == "ok"
+    assert len(calls) == 3
+
+
+def test_retrying_gives_up_after_attempts_with_a_translated_error(no_sleep: None) -> None:
+    fn, calls = flaky([ConnectionResetError("reset")] * 10)
+    with pytest.raises(StorageError, match="obj") as info:
+        retrying(fn, "obj", "here", attempts=4)
+    assert len(calls) == 4
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+
+
+def test_a_stalled_store_is_given_up_sooner_and_said(no_sleep: None, caplog: pytest.LogCaptureFixture) -> None:
+    # Each stall costs a whole read timeout: three in a row end it, each retry logged.
+    from shardkit.storage.store import TIMEOUT_ATTEMPTS
+
+    fn, calls = flaky([TimeoutError("timed out")] * 10)
+    with caplog.at_level("WARNING", logger="shardkit"), pytest.raises(StorageError, match="did not answer for obj"):
+        retrying(fn, "obj", "here", attempts=6)
+    assert len(calls) == TIMEOUT_ATTEMPTS < 6
+    assert caplog.text.count("storage: no answer for obj at here") == TIMEOUT_ATTEMPTS - 1
+
+
+def test_retrying_does_not_retry_permanent_faults(no_sleep: None) -> None:
+    fn, calls = flaky([client_error("AccessDenied")])
+    with pytest.raises(StoragePermissionError, match="AccessDenied"):
+        retrying(fn, "obj", "here")
+    assert len(calls) == 1
+
+
+def test_retrying_passes_shardkit_errors_through(no_sleep: None) -> None:
+    fn, calls = flaky([StorageError("already translated")])
+    with pytest.raises(StorageError, match="already translated"):
+        retrying(fn, "obj", "here")
+    assert len(calls) == 1
+
+
+def test_dead_endpoint_fails_fast(no_sleep: None) -> None:
+    fn, calls = flaky([EndpointConnectionError(endpoint_url="http://127.0.0.1:1")] * 10)
+    with pytest.raises(StorageError, match="cannot reach storage"):
+        retrying(fn, "obj", "here")
+    assert len(calls) == storage.CONNECT_ATTEMPTS
+
+
+# --------------------------------------------------------------------------- fetch_into resume
+
+
+@pytest.fixture
+def mem_store() -> Iterator[tuple[Store, bytes]]:
+    root = f"memory://test-storage-{os.getpid()}-{id(object())}"
+    store = Store(root)
+    payload = os.urandom(300_000)
+    store.put_bytes("shards/a.tar", payload)
+    try:
+        yield store, payload
+    finally:
+        store.remove("", recursive=True)
+
+
+def test_fetch_into_resumes_after_a_truncated_body(mem_store: tuple[Store, bytes], no_sleep: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    store, payload = mem_store
+    real = Store._open_range
+    requests: list[tuple[int, int]] = []
+
+    def truncating(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
+        requests.append((pos, end))
+        if len(requests) == 1:  # the first body ends early, as after a dropped connection
+            yield b"".join(real(self, rel, pos, end))[:1234]
+            return
+        yield from real(self, rel, pos, end)
+
+    monkeypatch.setattr(Store, "_open_range", truncating)
+    out = io.BytesIO()
+    seen: list[int] = []
+    store.fetch_into("shards/a.tar", out, 1000, 250_000, progress=seen.append)
+    assert out.getvalue() == payload[1000:250_000]
+    assert requests == [(1000, 250_000), (2234, 250_000)]  # resumed from the byte it reached
+    assert sum(seen) == 249_000
+
+
+def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], no_sleep: None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    store, _ = mem_store
+    calls: list[int] = []
+
+    def empty(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
+        calls.append(pos)
+        return iter(())
+
+    monkeypatch.setattr(Store, "_open_range", empty)
+    with pytest.raises(StorageError, match="shards/a.tar"):
+        store.fetch_into("shards/a.tar", io.BytesIO(), 0, 100)
+    assert len(calls) == storage.RETRY_ATTEMPTS
+
+
+# --------------------------------------------------------------------------- fork safety
+
+
+def _read_in_child(store: Store, parent_fs_id: int, queue: Any) -> None:
+    try:
+        data = store.read_bytes("obj.bin")
+        ranged = store.read_range("obj.bin", 10, 20)
+        queue.put((data, ranged, id(store.fs) != parent_fs_id))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_store_used_in_parent_then_forked_child(s3_server: S3Server, s3_bucket: str) -> None:
+    payload = os.urandom(50_000)
+    store = Store(f"{s3_bucket}/ds", storage_options=s3_server.storage_options())
+    store.put_bytes("obj.bin", payload)
+    assert store.read_bytes("obj.bin") == payload  # the parent's s3fs session and loop are live now
+    parent_fs = store.fs
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(store, id(parent_fs), queue))
+    child.start()
+    try:
+        got = queue.get(timeout=90)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert not isinstance(got, str), got
+    data, ranged, reopened = got
+    assert data == payload and ranged == payload[10:20]
+    assert reopened, "the child kept the parent's s3fs instance"
+    assert child.exitcode == 0
+    assert store.fs is parent_fs and store.read_bytes("obj.bin") == payload  # the parent is untouched
+
+
+
+def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit.storage.store import with_env_location
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDNEVERSHIPPED")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secretneverShipped")
+    got = with_env_location("s3://b/ds", {"anon": False})
+    assert got == {"anon": False, "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-3"}}
+    assert "NEVERSHIPPED" not in repr(got) and "neverShipped" not in repr(got)
+    explicit = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:7"}}
+    assert with_env_location("s3://b/ds", explicit)["client_kwargs"] == {"endpoint_url": "http://127.0.0.1:7",
+                                                                         "region_name": "eu-west-3"}
+    assert with_env_location("s3://b/ds", {"endpoint_url": "http://127.0.0.1:8"}) == {"endpoint_url": "http://127.0.0.1:8"}
+    assert with_env_location("/local/ds", {}) == {}
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    assert with_env_location("s3://b/ds", {"anon": False}) == {"anon": False}
+
+
+def test_ray_tasks_read_s3_tars_where_the_driver_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from shardkit.packing.ray_engine import for_tasks
+    from shardkit.packing.sources import FolderSource
+    from shardkit.packing.sources.wds import WdsTarSource
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    src = WdsTarSource("s3://b/tars/*.tar", storage_options={"key": "k", "secret": "s"})
+    pinned = for_tasks(src)
+    assert pinned is not src and pinned.urls == src.urls
+    assert pinned.storage_options is not None and pinned.storage_options["key"] == "k"
+    assert pinned.storage_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9"
+    assert src.storage_options == {"key": "k", "secret": "s"}  # the driver's own is untouched
+    local = WdsTarSource(str(tmp_path))
+    assert for_tasks(local) is local
+    folder = FolderSource(tmp_path)
+    assert for_tasks(folder) is folder
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(180)
+def test_dataloader_workers_print_no_event_loop_tracebacks(s3_server: S3Server, s3_bucket: str, tmp_path: Any) -> None:
+    # Forked workers inherit the parent's s3fs instance; collected there, it closed its
+    # aiobotocore session on the parent's loop: "Task exception was never retrieved ...
+    # attached to a different loop", twice per run, on a dataset read cold without a cache.
+    import subprocess
+    import sys
+
+    import shardkit
+
+    url = f"{s3_bucket}/ds"
+    shardkit.pack([{"__key__": f"k{i}", "bin": bytes([i]) * 3000} for i in range(200)], url, shard_bytes="100KB",
+                  storage_options=s3_server.storage_options(), progress=False)
+    code = (f"import shardkit; loader = shardkit.StreamingDataLoader(shardkit.StreamingDataset({url!r}, batch_size=16), "
+            "num_workers=2); print(sum(len(b['__key__']) for b in loader))")
+    env = {**os.environ, **s3_server.env(), "TMPDIR": str(tmp_path)}  # cold manifest copies
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150)
+    assert r.returncode == 0 and r.stdout.split() == ["200"], r.stderr[-2000:]
+    assert "different loop" not in r.stderr and "Task exception" not in r.stderr, r.stderr[-2000:]
