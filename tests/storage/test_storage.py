@@ -14,7 +14,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
-from shardkit.storage.store import store as storage
+from shardkit.storage import store as storage
 from shardkit.errors import ConfigError, StorageError, StoragePermissionError
 from shardkit.storage.store import Store, is_transient, retrying, translate
 
