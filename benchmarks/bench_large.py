@@ -241,7 +241,7 @@ def write_markdown(p: dict[str, Any]) -> None:
               "growth). The two warm shardkit rows differ by that first access; after it a sample is an mmap "
               "view and costs what touching its pages costs, like `np.load(mmap_mode='r')`. h5py with the "
               "'advised' quarter-sample "
-              "chunks and 1 GiB cache is slower than h5py's defaults for whole-sample reads, as PERF.md found. "
+              "chunks and 1 GiB cache is slower than h5py's defaults for whole-sample reads (the h5py rows of this run). "
               "A partial read (`read_array`, last warm shardkit row) touches only its rows.", ""]
     section = "\n".join(lines) + "\n"
     text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n\n"

@@ -111,7 +111,7 @@ def ensure_peers_venv() -> str | None:
     steps = [[sys.executable, "-m", "venv", str(PEERS_VENV)]] if not peers_python().exists() else []
     steps += [[str(peers_python()), "-m", "pip", "install", "-q", "-r", str(PEERS_REQ)],
               [str(peers_python()), "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO_ROOT)],
-              # Their torchvision is built for CUDA and cannot load beside the CPU torch (PERF.md).
+              # Their torchvision is built for CUDA and cannot load beside the CPU torch ("operator torchvision::nms does not exist").
               [str(peers_python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision"]]
     with open(log, "a") as f:
         for cmd in steps:

@@ -36,6 +36,17 @@ if [ ! -x "$venv/bin/python" ]; then
     "$py" -m venv "$venv"
 fi
 
+# CI checks docker-compose.yml with docker-compose itself (tests/dev/test_infra.py); Debian's
+# package is the one offline-installable validator. Only in CI, as root, with apt-get.
+if [ "${CI:-}" = "true" ] && [ "$extras" = "test" ] && ! command -v docker-compose >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
+    echo "bootstrap: installing docker-compose (apt-get) for the compose file check" >&2
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; } \
+        >"$root/.venv/apt.log" 2>&1; then
+        echo "bootstrap: apt-get install docker-compose failed (see .venv/apt.log); its test will say so" >&2
+    fi
+fi
+
 stamp="$venv/.bootstrap-$extras.stamp"
 want="$(
     {

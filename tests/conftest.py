@@ -29,7 +29,7 @@ import pytest
 
 from shardkit.dev.devserver import DevServer, DevServerError, S3Server
 
-__all__ = ["REPO_ROOT", "S3Server"]  # test modules import these from conftest
+__all__ = ["REPO_ROOT", "S3Server", "RemoteConnectionRefused"]  # test modules import these from conftest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,6 +60,35 @@ def _scrub_environment() -> None:
 
 
 _scrub_environment()
+
+
+# --------------------------------------------------------------------------- loopback only
+
+_LOCAL_HOSTS = ("127.", "::1", "0.0.0.0", "localhost", "::ffff:127.")
+
+
+class RemoteConnectionRefused(ConnectionRefusedError):
+    """A test process tried to reach an address off this machine."""
+
+
+def refuse_remote(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: a socket connect or UDP send to anything but loopback (or a Unix socket)
+    raises before a packet leaves, so no test can reach the network by accident."""
+    if event not in ("socket.connect", "socket.sendto"):
+        return
+    address = args[1]
+    if not isinstance(address, tuple):  # AF_UNIX path, abstract socket name
+        return
+    host = str(address[0])
+    if not host.startswith(_LOCAL_HOSTS):
+        raise RemoteConnectionRefused(f"tests reach only loopback: refused {event} to {host}:{address[1]}")
+
+
+# Installed once for the whole pytest process (audit hooks cannot be removed); subprocesses
+# (servers, DDP ranks, Ray workers) are kept local by their own loopback flags.
+import sys  # noqa: E402
+
+sys.addaudithook(refuse_remote)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,7 +1,7 @@
 """Loaded (via PYTHONPATH) only in the LitData benchmark process and its spawned workers.
 
 LitData moves data through obstore, which refuses ``http://`` endpoints unless its client
-options say ``allow_http``; LitData passes fixed options and ignores AWS_ALLOW_HTTP (PERF.md).
+options say ``allow_http``; LitData passes fixed options and ignores AWS_ALLOW_HTTP (seen with litdata 0.2.76).
 The benchmark's SeaweedFS is plain HTTP on loopback, so add the option here.
 """
 
