@@ -1,4 +1,4 @@
-"""Option parsing: sizes like ``"512MB"``, and defaults.
+"""Defaults, the ``SHARDKIT_*`` environment knobs, and option parsing (sizes like ``"512MB"``).
 
 Explicit arguments always win over the environment; the environment is read when a function
 is called, never at import time.
@@ -11,6 +11,12 @@ import os
 import re
 
 from shardkit.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES", "DEFAULT_TASK_BYTES", "ROOM_WAIT_SECONDS", "LANDING_BYTES", "KEEP_MAPS_BYTES",
+    "parse_size", "int_arg", "env_bytes", "env_seconds", "room_wait", "landing_budget", "keep_maps_budget",
+    "human_bytes", "checked_cache_dir",
+]
 
 _UNITS = {
     "": 1, "B": 1,
@@ -32,7 +38,18 @@ KEEP_MAPS_ENV, KEEP_MAPS_BYTES = "SHARDKIT_KEEP_MAPS", 16 * 2**30
 
 
 def parse_size(value: int | float | str, option: str) -> int:
-    """Parse ``512MB``, ``1.5GiB``, ``4096`` into bytes; ConfigError naming ``option`` if bad."""
+    """Parse a size such as ``512MB`` (decimal), ``1.5GiB`` or ``2G`` (binary) or ``4096``.
+
+    Args:
+        value: the size: a number of bytes, or a number and a unit.
+        option: the option's name, for the error message.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ConfigError: not a size, or not positive (names ``option``).
+    """
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a size like '512MB', got {value!r}")
     if isinstance(value, (int, float)):
@@ -49,9 +66,21 @@ def parse_size(value: int | float | str, option: str) -> int:
 
 
 def int_arg(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
-    """``value`` as an int in ``[minimum, maximum]`` (numpy integers too), else a one-line
-    ConfigError naming ``name`` and the value: ``"32"`` from an argument parser or ``2.5``
-    said here, not as a TypeError (or in a name the caller never used) later."""
+    """Check an integer option, so ``"32"`` from an argument parser or ``2.5`` is said at once,
+    under the name the caller used, not as a TypeError later.
+
+    Args:
+        name: the option's name, for the error message.
+        value: the value given (numpy integers are accepted).
+        minimum: the smallest value allowed.
+        maximum: the largest value allowed, or None for no bound.
+
+    Returns:
+        ``value`` as an int.
+
+    Raises:
+        ConfigError: not an integer (bools are refused), or out of range.
+    """
     # bool is an int subclass; True as a world size is a bug, not a 1.
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -67,8 +96,18 @@ def int_arg(name: str, value: object, minimum: int = 0, maximum: int | None = No
 
 
 def env_bytes(name: str, default: int) -> int:
-    """A byte budget from environment variable ``name`` (read now): unset or empty gives
-    ``default``, ``0`` turns the feature off, anything else is a size (ConfigError naming it)."""
+    """A byte budget from an environment variable, read now.
+
+    Args:
+        name: the variable.
+        default: the budget when it is unset or empty.
+
+    Returns:
+        The budget in bytes; ``0`` when the variable is ``0`` (the feature off).
+
+    Raises:
+        ConfigError: the variable is not a size (names it).
+    """
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -76,8 +115,18 @@ def env_bytes(name: str, default: int) -> int:
 
 
 def env_seconds(name: str, default: float) -> float:
-    """Seconds from environment variable ``name`` (read now): unset or empty gives
-    ``default``; ConfigError naming it unless a number >= 0."""
+    """Seconds from an environment variable, read now.
+
+    Args:
+        name: the variable.
+        default: the value when it is unset or empty.
+
+    Returns:
+        The number of seconds.
+
+    Raises:
+        ConfigError: the variable is not a number >= 0 (names it).
+    """
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -145,8 +194,17 @@ def human_bytes(n: float) -> str:
 
 
 def checked_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str | None:
-    """``cache_dir`` as a path, or None (no cache). An empty string is refused: it would
-    make the current directory the node cache."""
+    """Check a ``cache_dir`` argument.
+
+    Args:
+        cache_dir: a directory on local disk, or None for no cache.
+
+    Returns:
+        The directory as a string, or None.
+
+    Raises:
+        ConfigError: an empty string, which would make the current directory the node cache.
+    """
     if cache_dir is None:
         return None
     path = os.fsdecode(cache_dir)

@@ -89,6 +89,13 @@ class SampleNotFoundError(ShardkitError, KeyError):
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message ("" if it has none): one-line errors quote it."""
+    """The first line of an exception's message, for one-line errors that quote it.
+
+    Args:
+        exc: the exception.
+
+    Returns:
+        The first line of ``str(exc)``, or ``""`` if it has none.
+    """
     text = str(exc)
     return text.splitlines()[0] if text.strip() else ""

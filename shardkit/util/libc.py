@@ -6,10 +6,21 @@ import ctypes
 import sys
 from typing import Any
 
+__all__ = ["libc_function"]
+
 
 def libc_function(name: str, argtypes: list[Any] | None = None, restype: Any = ctypes.c_int) -> Any:
-    """``name`` from the C library, typed when ``argtypes`` is given; None off Linux or where the
-    symbol is missing (callers then do without it)."""
+    """Look a function up in the C library.
+
+    Args:
+        name: the symbol, e.g. ``"madvise"``.
+        argtypes: its ctypes argument types, or None to leave them untyped.
+        restype: its ctypes return type.
+
+    Returns:
+        The ctypes function (setting errno), or None off Linux or where the symbol is missing:
+        callers then do without it.
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -53,7 +53,15 @@ class LRU(Generic[K, V]):
         return self._total
 
     def get(self, key: K, default: V | None = None) -> V | None:
-        """The value of ``key`` (now the most recent), or ``default``."""
+        """Look ``key`` up and make it the most recent.
+
+        Args:
+            key: the key.
+            default: what to return when ``key`` is not kept.
+
+        Returns:
+            The value kept under ``key``, or ``default``.
+        """
         try:
             value = self._items[key]
         except KeyError:
@@ -62,11 +70,24 @@ class LRU(Generic[K, V]):
         return value
 
     def peek(self, key: K, default: V | None = None) -> V | None:
-        """The value of ``key`` without making it more recent, or ``default``."""
+        """Look ``key`` up without making it more recent.
+
+        Args:
+            key: the key.
+            default: what to return when ``key`` is not kept.
+
+        Returns:
+            The value kept under ``key``, or ``default``.
+        """
         return self._items.get(key, default)
 
     def put(self, key: K, value: V) -> None:
-        """Keep ``value`` under ``key`` as the most recent, dropping the oldest beyond the limit."""
+        """Keep ``value`` under ``key`` as the most recent, dropping the oldest beyond the limit.
+
+        Args:
+            key: the key (an entry already under it is replaced).
+            value: the value; ``on_evict`` sees it if it is dropped later.
+        """
         old = self._items.pop(key, None)
         if old is not None:
             self._total -= self._weigh(old)
@@ -79,7 +100,15 @@ class LRU(Generic[K, V]):
                 self._on_evict(dropped)
 
     def pop(self, key: K, default: V | None = None) -> V | None:
-        """Remove ``key`` and return its value (``on_evict`` is not called), or ``default``."""
+        """Remove ``key`` (``on_evict`` is not called: the caller owns the value now).
+
+        Args:
+            key: the key.
+            default: what to return when ``key`` is not kept.
+
+        Returns:
+            The value that was kept under ``key``, or ``default``.
+        """
         value = self._items.pop(key, None)
         if value is None:
             return default
@@ -87,7 +116,11 @@ class LRU(Generic[K, V]):
         return value
 
     def values(self) -> list[V]:
-        """The values, least recently used first."""
+        """All values kept.
+
+        Returns:
+            The values, least recently used first.
+        """
         return list(self._items.values())
 
     def clear(self) -> None:
