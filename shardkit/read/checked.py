@@ -18,28 +18,12 @@ import xxhash
 
 from shardkit.format.checksums import bad_blocks, block_span
 from shardkit.errors import IntegrityError, ManifestError
-from shardkit.read.dataset import ShardInfo, ShardRows
+from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 
 log = logging.getLogger(__name__)
 
 # Fills its buffer with the shard's bytes [start, end).
 ReadRange = Callable[[int, int, np.ndarray], None]
-
-
-def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndarray, int] | None:
-    """(block checksums, block size) of sample ``pos``, or None when it has none."""
-    digests = rows.block_checksums(pos)
-    if digests is None:
-        return None
-    block_bytes = rows.block_bytes
-    if block_bytes is None:
-        raise ManifestError(f"manifest rows of shard {info.shard} ({info.path}) have block_checksums but no "
-                            "shardkit.block_bytes in their schema metadata")
-    size = int(rows.size[pos])
-    if len(digests) != -(-size // block_bytes):
-        raise ManifestError(f"sample {rows.key(pos)!r} in {info.path}: {len(digests)} block checksums for "
-                            f"{size} bytes in blocks of {block_bytes}")
-    return digests, block_bytes
 
 
 def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:

@@ -14,16 +14,19 @@ boundaries (:meth:`SegmentPlanner.split`), so every run lies inside one segment.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 from shardkit.read.partition import EpochOrder, Range
-from shardkit.read.dataset import ShardRows
+from shardkit.read.rows import ShardRows
+from shardkit.util.lru import LRU
+
+__all__ = ["GAP_BYTES", "SEGMENT_BYTES", "SHARE_EDGE", "SPREAD_OVER_WORKERS", "WASTE_WARNING", "Run", "SegmentPlanner",
+           "ShardSegments", "merge_segments"]
+
+log = logging.getLogger(__name__)
 
 Run = tuple[int, np.ndarray]
 
@@ -120,17 +123,14 @@ class SegmentPlanner:
         block_of = np.empty(order.num_shards, np.int64)
         block_of[order.shard_order] = np.arange(order.num_shards, dtype=np.int64) // order.block_shards
         self._block_of = block_of
-        self._plans: OrderedDict[int, ShardSegments] = OrderedDict()
+        self._plans: LRU[int, ShardSegments] = LRU(_PLANS_KEPT)
 
     def plan(self, shard: int) -> ShardSegments:
+        """The segments of ``shard`` (planned on first use; the plans used last are kept)."""
         plan = self._plans.get(shard)
         if plan is None:
             plan = self._make(shard)
-            self._plans[shard] = plan
-            if len(self._plans) > _PLANS_KEPT:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(shard)
+            self._plans.put(shard, plan)
         return plan
 
     def needed(self, shard: int) -> np.ndarray:
