@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from shardkit.read.partition import EpochOrder, Range
+from shardkit.read.epoch_order import EpochOrder
+from shardkit.read.partition import Range
 from shardkit.read.rows import ShardRows
 from shardkit.util.lru import LRU
 
