@@ -86,7 +86,19 @@ def _per_rank(total: int, world_size: int, drop_last: bool) -> int:
 
 def samples_per_rank(remaining: Sequence[Range], world_size: int,
                      drop_last: bool = False) -> int:
-    """Samples each rank gets from ``remaining``: ceil(R/W), or floor(R/W) with drop_last."""
+    """Samples each rank gets from ``remaining``: ceil(R/W), or floor(R/W) with drop_last.
+
+    Args:
+        remaining: Ascending, disjoint ``(start, stop)`` G ranges still to read (R positions).
+        world_size: Number of ranks (W).
+        drop_last: Drop the tail instead of padding.
+
+    Returns:
+        The samples per rank.
+
+    Raises:
+        ConfigError: A bad argument.
+    """
     world_size = int_arg("world_size", world_size, 1)
     starts, stops = _as_ranges(remaining, "remaining", ascending=True)
     return _per_rank(int((stops - starts).sum()), world_size, drop_last)
@@ -279,6 +291,9 @@ def schedule_shards(order: EpochOrder, ranges: Sequence[Range], *,
         order: The epoch sequence.
         ranges: G ranges, e.g. from :func:`worker_ranges`.
         piece: Positions processed at once (memory bound; does not change the output).
+
+    Returns:
+        Shard ids, each once.
 
     Raises:
         ConfigError: A bad argument or a range beyond the epoch.

@@ -131,15 +131,29 @@ class ShardRows:
                 flat.field("offset").to_numpy(), flat.field("size").to_numpy())
 
     def fields(self, i: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """Sample ``i``'s field names, member offsets and sizes."""
+        """Sample ``i``'s fields.
+
+        Args:
+            i: the sample's position in the shard.
+
+        Returns:
+            (field names, member offsets in the shard, member sizes).
+        """
         bounds, names, codes, offs, sizes = self._fields
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         return [names[c] for c in codes[lo:hi].tolist()], offs[lo:hi], sizes[lo:hi]
 
     def spans(self, positions: np.ndarray) -> tuple[list[str], list[Sequence[str]], list[list[int]], list[list[int]]]:
-        """Keys, field names, member offsets and sizes of the samples at ``positions``, as
-        Python lists made in one go: a reader going through a shard's samples pays a few
-        numpy calls per run of samples, not per sample."""
+        """The spans of the samples at ``positions``, as Python lists made in one go: a reader
+        going through a shard's samples pays a few numpy calls per run of samples, not per
+        sample.
+
+        Args:
+            positions: the samples' positions in the shard.
+
+        Returns:
+            (keys, field names, member offsets, member sizes), one entry per position.
+        """
         keys = self.keys
         idx = positions.tolist()
         layout = self.layout

@@ -64,6 +64,13 @@ def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_pa
 def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, shard_path: str) -> None:
     """:func:`verify_sample` for many samples, one tight loop (a segment's worth at a time).
 
+    Args:
+        view: shard bytes from shard byte ``base`` on.
+        base: the shard offset ``view`` starts at.
+        rows: the shard's manifest rows.
+        positions: the samples' positions in the shard.
+        shard_path: names the shard in errors.
+
     Raises:
         IntegrityError: naming the first sample of ``positions`` that fails.
     """
