@@ -16,3 +16,5 @@ reads what.
 - :mod:`~shardkit.read.segments`, :mod:`~shardkit.read.shard_source`: the shard bytes a
   reader holds, through the node cache or straight from storage.
 """
+
+__all__: list[str] = []  # the modules are imported by name
