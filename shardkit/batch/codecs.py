@@ -1,124 +1,18 @@
-"""Field decoders by extension: images via PIL, ``.npy`` without copies, json, txt, cls.
-
-The decoder looks at the last extension of a field name (``image.npy`` -> ``npy``), as
-WebDataset does. Heavy imports (PIL) happen on first use.
+"""The ``CenterCrop`` image decoder (the field decoders by extension are
+:mod:`shardkit.read.decode`'s: readers apply them).
 """
 
 from __future__ import annotations
 
 import io
-import json
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from shardkit.errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
-
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
-TEXT_EXTS = frozenset({"txt", "text", "transcript"})
-META_KEYS = ("__key__", "__index__", "__shard__")
-
-Decoder = Callable[[dict[str, Any]], Any]
-
-
-def npy_view(buf: memoryview | bytes, writable: bool = False, native: bool = True) -> np.ndarray:
-    """A numpy array over a ``.npy`` member's bytes, without copying the data.
-
-    ``native``: a big-endian array comes back converted to native byte order (a copy), as
-    decoders hand it to torch; ``False`` keeps the stored dtype, as ``np.load`` does."""
-    view = memoryview(buf)
-    head = bytes(view[:min(len(view), 65536 + 16)])
-    bio = io.BytesIO(head)
-    try:
-        version = np.lib.format.read_magic(bio)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(bio, max_header_size=65536)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(bio, max_header_size=65536)
-    except ValueError as exc:
-        raise IntegrityError(f"not a valid .npy member: {exc}") from exc
-    if dtype.hasobject:
-        raise IntegrityError("refusing a .npy member with object dtype (would need pickle)")
-    count = int(np.prod(shape)) if shape else 1
-    arr = np.frombuffer(view, dtype=dtype, count=count, offset=bio.tell())
-    arr = arr.reshape(shape, order="F" if fortran else "C")
-    if native and not arr.dtype.isnative:  # big-endian (HDF5, FITS): torch takes only native byte order
-        return arr.astype(arr.dtype.newbyteorder("="))
-    if writable and not arr.flags.writeable:
-        arr = arr.copy()
-    return arr
-
-
-def _ext(name: str) -> str:
-    return name.rsplit(".", 1)[-1].lower()
-
-
-def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
-    ext = _ext(name)
-    if ext in IMAGE_EXTS:
-        from PIL import Image
-
-        img: Image.Image = Image.open(io.BytesIO(value))
-        img = img.convert("RGB") if img.mode not in ("RGB", "L") else img
-        return np.asarray(img) if images == "numpy" else img
-    if ext == "npy":
-        return npy_view(value)
-    if ext == "json":
-        return json.loads(bytes(value))
-    if ext in TEXT_EXTS:
-        return bytes(value).decode("utf-8")
-    if ext in ("cls", "cls2", "index", "label"):
-        return int(bytes(value).decode("ascii").strip())
-    return bytes(value)
-
-
-def raw(sample: dict[str, Any]) -> dict[str, Any]:
-    """Field values as ``bytes`` (what WebDataset yields without a decoder)."""
-    return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in sample.items()}
-
-
-def make_decoder(decode: str | Decoder | None) -> Decoder:
-    """``None`` -> raw bytes; ``"pil"`` / ``"numpy"`` -> decoded fields; a callable -> applied to raw."""
-    if decode is None or decode == "raw":
-        return raw
-    if decode in ("pil", "numpy"):
-        mode = str(decode)
-
-        def decoder(sample: dict[str, Any]) -> dict[str, Any]:
-            out: dict[str, Any] = {}
-            for k, v in sample.items():
-                try:
-                    out[k] = v if k in META_KEYS else decode_field(k, v, mode)
-                except ShardkitError:
-                    raise
-                except Exception as exc:
-                    raise _failed(sample, f"field {k!r} does not decode ({mode})", exc) from exc
-            return out
-
-        return decoder
-    if callable(decode):
-        user = decode
-
-        def call_user(sample: dict[str, Any]) -> Any:
-            try:
-                return user(raw(sample))
-            except ShardkitError:
-                raise
-            except Exception as exc:
-                raise _failed(sample, f"decode={getattr(user, '__name__', type(user).__name__)} failed", exc) from exc
-
-        return call_user
-    raise ConfigError(f"decode: expected None, 'pil', 'numpy' or a callable, got {decode!r}")
-
-
-def _failed(sample: dict[str, Any], what: str, exc: Exception) -> DecodeError:
-    """One line naming the sample and its shard: in 20 M samples, which one is bad."""
-    detail = first_line(exc)
-    if type(exc).__name__ == "UnidentifiedImageError":
-        # PIL's own text names only "<_io.BytesIO object at 0x...>".
-        detail = "the bytes are not a recognizable image (PIL knows no image format that starts like them)"
-    return DecodeError(f"sample {sample.get('__key__')!r} in {sample.get('__shard__')}: {what}: "
-                       f"{type(exc).__name__}: {detail}")
+from shardkit.errors import ConfigError
+from shardkit.read.decode import IMAGE_EXTS
+from shardkit.read.decode import decode_error as _failed
+from shardkit.read.decode import field_ext as _ext
 
 
 class CenterCrop:

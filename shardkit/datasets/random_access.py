@@ -37,13 +37,16 @@ import xxhash
 
 from shardkit.format.checksums import BLOCK_BYTES
 from shardkit.cache.shard_cache import CachedShard, ShardCache
-from shardkit.read.checked import block_checksums, read_checked, read_sample
-from shardkit.batch.codecs import make_decoder, npy_view
+from shardkit.read.checked import read_checked, read_sample
+from shardkit.read.decode import make_decoder, npy_view
 from shardkit.config import checked_cache_dir, parse_size
 from shardkit.errors import ConfigError, IntegrityError, ManifestError, SampleNotFoundError, ShardkitError
 from shardkit.format.manifest import parquet_file
 from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
-from shardkit.read.dataset import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
+from shardkit.read.dataset import Dataset
+from shardkit.read.manifest_copies import manifest_copies_dir
+from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
+from shardkit.read.samples import sample_dict
 from shardkit.read.segments import GAP_BYTES
 from shardkit.read.shard_source import cache_namespace, shard_ref
 

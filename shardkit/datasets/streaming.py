@@ -25,13 +25,16 @@ import numpy as np
 from shardkit.batch.collate import collate
 from shardkit.cache.shard_cache import ShardCache
 from shardkit.cache.files import write_replace
-from shardkit.batch.codecs import make_decoder
+from shardkit.read.decode import make_decoder
 from shardkit.config import checked_cache_dir, human_bytes, int_arg, keep_maps_budget, parse_size, room_wait
 from shardkit.datasets.epoch_control import ControlDir
 from shardkit.errors import ConfigError
-from shardkit.read.partition import (DEFAULT_BLOCK_SHARDS, EpochOrder, Range, consumed_remaining, rank_ranges,
-                        samples_per_rank, schedule_shards, worker_ranges, worker_schedule)
-from shardkit.read.dataset import Dataset, manifest_copies_dir, sample_dicts, sample_from
+from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
+from shardkit.read.partition import (Range, consumed_remaining, rank_ranges, samples_per_rank, schedule_shards,
+                                     worker_ranges, worker_schedule)
+from shardkit.read.dataset import Dataset
+from shardkit.read.manifest_copies import manifest_copies_dir
+from shardkit.read.samples import sample_dicts, sample_from
 from shardkit.batch.buffers import BufferPool
 from shardkit.batch.raw import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill, plan_batch,
                        prepare, view_batch)

@@ -38,7 +38,7 @@ from shardkit.errors import NoRoomError
 from shardkit.config import int_arg, parse_size, room_wait
 from shardkit.datasets.epoch_control import ControlDir
 from shardkit.errors import ConfigError
-from shardkit.read.partition import DEFAULT_BLOCK_SHARDS, EpochOrder
+from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 from shardkit.read.dataset import Dataset
 from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
 from shardkit.read.topology import FromParent, current

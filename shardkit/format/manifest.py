@@ -189,38 +189,3 @@ def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any]
 def commit(store: Store, info: dict[str, Any]) -> None:
     """Write dataset.json create-only: exactly one of two racing packs commits."""
     store.put_create(DATASET_JSON, json.dumps(info, indent=2, sort_keys=True).encode())
-
-
-def read_info(store: Store) -> dict[str, Any]:
-    from shardkit.errors import DatasetNotFoundError
-
-    if not store.exists(DATASET_JSON):
-        if store.is_object_store:
-            bucket = store.bucket_key("")[0]
-            if not store.call(lambda: store.fs.exists(bucket), bucket):
-                raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: bucket {bucket!r} does not exist "
-                                           f"at {store.where}")
-        hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
-        raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
-    raw = store.read_bytes(DATASET_JSON)
-    try:
-        info = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {exc}") from exc
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
-    if info.get("version") != VERSION:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
-    return info
-
-
-def read_shards(store: Store) -> pa.Table:
-    data = store.read_bytes(SHARDS_PARQUET)
-    try:
-        table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
-    except (pa.ArrowException, OSError) as exc:
-        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({first_line(exc)})") from exc
-    missing = [n for n in ("shard", "path", "num_samples", "bytes", "first_sample", "checksum") if n not in table.column_names]
-    if missing:
-        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")
-    return table

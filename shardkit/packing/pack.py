@@ -30,7 +30,6 @@ from shardkit.format.manifest import (
     dataset_info,
     fragment_name,
     parquet_file,
-    read_info,
     shards_table,
     write_shards_table,
 )
@@ -39,6 +38,7 @@ from shardkit.packing.progress import Progress
 from shardkit.packing.sample import PackSample
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips, Source, SourceItem
+from shardkit.read.manifest import read_info
 from shardkit.storage.store import Store
 from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.packing.writer import ShardWriter, TarShard, Uploader

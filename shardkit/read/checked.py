@@ -16,9 +16,11 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from shardkit.format.checksums import bad_blocks, block_span
 from shardkit.errors import IntegrityError, ManifestError
-from shardkit.read.dataset import ShardInfo, ShardRows
+from shardkit.format.checksums import bad_blocks, block_span
+from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
+
+__all__ = ["ReadRange", "read_checked", "read_sample"]
 
 log = logging.getLogger(__name__)
 
@@ -26,24 +28,23 @@ log = logging.getLogger(__name__)
 ReadRange = Callable[[int, int, np.ndarray], None]
 
 
-def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndarray, int] | None:
-    """(block checksums, block size) of sample ``pos``, or None when it has none."""
-    digests = rows.block_checksums(pos)
-    if digests is None:
-        return None
-    block_bytes = rows.block_bytes
-    if block_bytes is None:
-        raise ManifestError(f"manifest rows of shard {info.shard} ({info.path}) have block_checksums but no "
-                            "shardkit.block_bytes in their schema metadata")
-    size = int(rows.size[pos])
-    if len(digests) != -(-size // block_bytes):
-        raise ManifestError(f"sample {rows.key(pos)!r} in {info.path}: {len(digests)} block checksums for "
-                            f"{size} bytes in blocks of {block_bytes}")
-    return digests, block_bytes
-
-
 def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
-    """The whole of sample ``pos``, its checksum checked."""
+    """The whole of sample ``pos``, its checksum checked (read a second time if it fails).
+
+    Args:
+        read: fills a buffer with shard bytes.
+        info: the shard's row of shards.parquet.
+        rows: its manifest rows.
+        pos: the sample's position in the shard.
+        index: its global index (names it in messages).
+
+    Returns:
+        The sample's bytes.
+
+    Raises:
+        ManifestError: the manifest places the sample beyond the shard.
+        IntegrityError: both reads fail the checksum (corrupt bytes on storage).
+    """
     start, size = int(rows.offset[pos]), int(rows.size[pos])
     if start < 0 or start + size > info.bytes:
         raise ManifestError(f"sample {rows.key(pos)!r} (index {index}): bytes [{start}, {start + size}) lie "
@@ -61,8 +62,26 @@ def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, ind
 
 def read_checked(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int, start: int,
                  end: int) -> tuple[np.ndarray, int]:
-    """Checked bytes of sample ``pos`` covering the shard range ``[start, end)``, and the shard
-    offset where they begin: the blocks around the range, or the whole sample."""
+    """Checked bytes of sample ``pos`` covering the shard range ``[start, end)``: the blocks
+    around the range, or the whole sample when it has no block checksums.
+
+    Args:
+        read: fills a buffer with shard bytes.
+        info: the shard's row of shards.parquet.
+        rows: its manifest rows.
+        pos: the sample's position in the shard.
+        index: its global index (names it in messages).
+        start: the first shard byte wanted (inside the sample).
+        end: the shard byte after the last one wanted.
+
+    Returns:
+        (the bytes, the shard offset where they begin).
+
+    Raises:
+        ManifestError: the sample's manifest row is inconsistent (see :func:`read_sample` and
+            :func:`shardkit.read.rows.block_checksums`).
+        IntegrityError: both reads fail a checksum (corrupt bytes on storage).
+    """
     blocks = block_checksums(info, rows, pos)
     if blocks is None:
         return read_sample(read, info, rows, pos, index), int(rows.offset[pos])

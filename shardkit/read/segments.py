@@ -14,18 +14,22 @@ boundaries (:meth:`SegmentPlanner.split`), so every run lies inside one segment.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from shardkit.read.epoch_order import EpochOrder
+from shardkit.read.partition import Range
+from shardkit.read.rows import ShardRows
+from shardkit.util.lru import LRU
+
+__all__ = ["GAP_BYTES", "SEGMENT_BYTES", "SHARE_EDGE", "SPREAD_OVER_WORKERS", "WASTE_WARNING", "Run", "SegmentPlanner",
+           "ShardSegments", "merge_segments"]
+
 log = logging.getLogger(__name__)
 
-from shardkit.read.partition import EpochOrder, Range
-from shardkit.read.dataset import ShardRows
-
-Run = tuple[int, np.ndarray]
+Run = tuple[int, np.ndarray]  # (shard, in-shard positions) as partition.worker_schedule yields them
 
 # Samples closer than this share a read: a small gap costs less to read than one more request.
 # Not much larger: the gaps between a worker's batches are its siblings' batches, and every
@@ -58,7 +62,11 @@ class ShardSegments:
     hi: np.ndarray
 
     def of(self, positions: np.ndarray) -> np.ndarray:
-        """Segment ids of in-shard ``positions``; each must be one this plan needs."""
+        """Segment ids of in-shard ``positions``.
+
+        Raises:
+            AssertionError: a position is none this plan needs (a caller's bug).
+        """
         idx = np.searchsorted(self.positions, positions)
         if (idx >= len(self.positions)).any() or (self.positions[np.minimum(idx, len(self.positions) - 1)]
                                                   != positions).any():
@@ -66,6 +74,7 @@ class ShardSegments:
         return self.segment[idx]
 
     def bounds(self, segment: int) -> tuple[int, int]:
+        """The shard byte range ``[lo, hi)`` of ``segment``."""
         return int(self.lo[segment]), int(self.hi[segment])
 
     def members(self, segment: int) -> np.ndarray:
@@ -78,7 +87,15 @@ def merge_segments(starts: np.ndarray, ends: np.ndarray, gap: int, size: int) ->
     """Group byte intervals sorted by start into segments: a new one where the gap from the
     previous interval exceeds ``gap``, or where the group has grown past ``size``.
 
-    Returns (segment id per interval, segment starts, segment ends)."""
+    Args:
+        starts: the intervals' first bytes, ascending.
+        ends: the bytes after their last ones.
+        gap: the largest gap read through rather than starting a new segment.
+        size: about the largest segment (one interval may make it longer).
+
+    Returns:
+        (segment id per interval, segment starts, segment ends).
+    """
     n = len(starts)
     if n == 0:
         empty = np.zeros(0, np.int64)
@@ -120,21 +137,18 @@ class SegmentPlanner:
         block_of = np.empty(order.num_shards, np.int64)
         block_of[order.shard_order] = np.arange(order.num_shards, dtype=np.int64) // order.block_shards
         self._block_of = block_of
-        self._plans: OrderedDict[int, ShardSegments] = OrderedDict()
+        self._plans: LRU[int, ShardSegments] = LRU(_PLANS_KEPT)
 
     def plan(self, shard: int) -> ShardSegments:
+        """The segments of ``shard`` (planned on first use; the plans used last are kept)."""
         plan = self._plans.get(shard)
         if plan is None:
             plan = self._make(shard)
-            self._plans[shard] = plan
-            if len(self._plans) > _PLANS_KEPT:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(shard)
+            self._plans.put(shard, plan)
         return plan
 
     def needed(self, shard: int) -> np.ndarray:
-        """In-shard positions of ``shard`` the ranges hold, ascending, each once."""
+        """In-shard positions of ``shard`` the reader's ranges hold, ascending, each once."""
         b = int(self._block_of[shard])
         g_lo, g_hi = int(self.order.block_offsets[b]), int(self.order.block_offsets[b + 1])
         lo = np.maximum(self._starts, g_lo)
@@ -156,7 +170,12 @@ class SegmentPlanner:
         return ShardSegments(positions, segment, lo, hi)
 
     def segments_of(self, runs: Iterable[Run]) -> list[tuple[int, int]]:
-        """(shard, segment) of each run (split runs lie in one), in order: one lookup per shard."""
+        """(shard, segment) of each run, in order, by its first sample (a run from
+        :meth:`split` lies in one segment): one lookup per shard.
+
+        Raises:
+            AssertionError: a run holds a sample this reader's plan does not (a caller's bug).
+        """
         at: dict[int, list[int]] = {}
         firsts: list[tuple[int, int]] = []
         for shard, positions in runs:

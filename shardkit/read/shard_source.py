@@ -28,7 +28,9 @@ from shardkit.storage import ranged
 from shardkit.read import segments
 from shardkit.cache.shard_cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
 from shardkit.errors import IntegrityError, NoRoomError
-from shardkit.read.dataset import Dataset, FieldLayout, ShardInfo, ShardRows, verify_samples
+from shardkit.read.dataset import Dataset
+from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
+from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
 from shardkit.storage.store import Store
 

@@ -1,4 +1,4 @@
-"""Where this process sits: DDP rank and world size, DataLoader worker, node.
+"""Where this process sits: DDP rank and world size, and DataLoader worker.
 
 Rank and world size, first found wins:
 
@@ -13,18 +13,29 @@ Rank and world size, first found wins:
 5. rank 0 of 1.
 
 The DataLoader worker comes from ``torch.utils.data.get_worker_info()``.
+
+This module never imports torch: it looks torch up in ``sys.modules``. A process that never
+imported torch has no process group and is no DataLoader worker (a worker's loop imports
+``torch.utils.data``, and initialising a process group imports ``torch.distributed``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 from shardkit.errors import ConfigError
+
+__all__ = ["FromParent", "Topology", "current"]
 
 
 @dataclass(frozen=True)
 class Topology:
+    """Where a reader sits: its DDP ``rank`` of ``world_size``, and its DataLoader ``worker``
+    of ``num_workers`` (0 of 1 outside a DataLoader worker)."""
+
     rank: int
     world_size: int
     worker: int
@@ -43,13 +54,16 @@ def _env_int(name: str, default: int) -> int:
 
 def _distributed() -> tuple[int, int] | None:
     """(rank, world size) of this process's torch.distributed process group, if any."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if dist.is_available() and dist.is_initialized():
+    dist: Any = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return None
+
+
+def _worker_info() -> Any:
+    """``torch.utils.data.get_worker_info()`` (id, num_workers), or None outside a worker."""
+    data: Any = sys.modules.get("torch.utils.data")
+    return data.get_worker_info() if data is not None else None
 
 
 class FromParent:
@@ -75,24 +89,35 @@ class FromParent:
         self.value, self.pid = state["value"], os.getpid()
 
     def get(self) -> tuple[int, int] | None:
+        """The carried (rank, world size), or None in the process that made this object (or
+        in a forked child of it, which inherited it without pickling)."""
         return self.value if self.pid == os.getpid() else None
 
 
 def current(rank: int | None = None, world_size: int | None = None,
             parent: FromParent | None = None) -> Topology:
-    """The topology of the calling process (see the module docstring for the order)."""
+    """The topology of the calling process (see the module docstring for the order).
+
+    Args:
+        rank: this process's rank, overriding every other source.
+        world_size: the world size, overriding every other source.
+        parent: what the dataset carries from the process that pickled it (used only in a
+            DataLoader worker without a process group of its own).
+
+    Returns:
+        The topology.
+
+    Raises:
+        ConfigError: the rank lies outside the world size, or ``RANK``/``WORLD_SIZE`` is not
+            an integer.
+    """
     worker, num_workers = 0, 1
     found = _distributed()
-    try:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        if info is not None:
-            worker, num_workers = info.id, info.num_workers
-            if found is None and parent is not None:
-                found = parent.get()
-    except ImportError:
-        pass
+    info = _worker_info()
+    if info is not None:
+        worker, num_workers = info.id, info.num_workers
+        if found is None and parent is not None:
+            found = parent.get()
     r, w = found if found is not None else (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     r = r if rank is None else rank
     w = w if world_size is None else world_size

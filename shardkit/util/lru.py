@@ -22,18 +22,21 @@ class LRU(Generic[K, V]):
         limit: the most entries (or the most total cost) kept; ``0`` keeps nothing.
         cost: the weight of a value (default 1 each).
         on_evict: called with each value the map drops (not with values a caller pops).
+        keep_newest: the entry put last always stays, even alone past the limit: for a cache
+            whose newest entry is the one in use.
 
     Raises:
         ValueError: ``limit`` is negative.
     """
 
     def __init__(self, limit: int, cost: Callable[[V], int] | None = None,
-                 on_evict: Callable[[V], None] | None = None) -> None:
+                 on_evict: Callable[[V], None] | None = None, *, keep_newest: bool = False) -> None:
         if limit < 0:
             raise ValueError(f"LRU limit must be >= 0, got {limit}")
         self.limit = limit
         self._cost = cost
         self._on_evict = on_evict
+        self._floor = 1 if keep_newest else 0  # entries never dropped to make room
         self._items: OrderedDict[K, V] = OrderedDict()
         self._total = 0
 
@@ -84,6 +87,8 @@ class LRU(Generic[K, V]):
     def put(self, key: K, value: V) -> None:
         """Keep ``value`` under ``key`` as the most recent, dropping the oldest beyond the limit.
 
+        ``limit`` is read here, so a caller may change it between puts.
+
         Args:
             key: the key (an entry already under it is replaced).
             value: the value; ``on_evict`` sees it if it is dropped later.
@@ -93,7 +98,7 @@ class LRU(Generic[K, V]):
             self._total -= self._weigh(old)
         self._items[key] = value
         self._total += self._weigh(value)
-        while self._items and (self._total > self.limit if self._cost else len(self._items) > self.limit):
+        while len(self._items) > self._floor and (self._total > self.limit if self._cost else len(self._items) > self.limit):
             _, dropped = self._items.popitem(last=False)
             self._total -= self._weigh(dropped)
             if self._on_evict is not None:

@@ -353,7 +353,7 @@ def test_warm_epoch_reads_sample_manifests_from_the_node_cache(local_ds: tuple[s
     import shutil
 
     from shardkit.datasets.streaming import cache_namespace
-    from shardkit.read.dataset import manifest_copies_dir
+    from shardkit.read.manifest_copies import manifest_copies_dir
     from shardkit.storage.store import Store
 
     url, content = local_ds
@@ -406,7 +406,7 @@ def test_manifest_copies_only_in_a_private_directory(tmp_path: Path, monkeypatch
     import os
     import tempfile
 
-    from shardkit.read.dataset import manifest_copies_dir
+    from shardkit.read.manifest_copies import manifest_copies_dir
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     root = tmp_path / f"shardkit-manifests-{os.getuid()}"
@@ -423,7 +423,8 @@ def test_manifest_copies_no_reader_opened_for_days_are_removed(tmp_path: Path, m
     # Every re-pack gets a new namespace: without a sweep, copies of old packs stayed forever.
     import tempfile
 
-    from shardkit.read import dataset as reader
+    from shardkit.read import manifest_copies as reader
+    from shardkit.read.dataset import Dataset
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     root = tmp_path / f"shardkit-manifests-{os.getuid()}"
@@ -438,11 +439,11 @@ def test_manifest_copies_no_reader_opened_for_days_are_removed(tmp_path: Path, m
     # A reader that made its dataset days ago and still reads copies keeps them too.
     url = str(tmp_path / "ds")
     shardkit.pack(({"__key__": f"k{i}", "bin": b"x"} for i in range(10)), url, progress=False)
-    first = reader.Dataset(url)
+    first = Dataset(url)
     first.manifest_cache = reader.manifest_copies_dir("long-run")
     first.shard_samples(0)  # keeps a copy
     os.utime(root / "long-run", (long_ago, long_ago))
-    again = reader.Dataset(url)
+    again = Dataset(url)
     again.manifest_cache = str(root / "long-run")
     assert again.shard_samples(0).num_rows == 10  # from the copy
     assert (root / "long-run").stat().st_mtime > time.time() - 60

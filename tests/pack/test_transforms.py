@@ -12,7 +12,7 @@ from PIL import Image
 
 import shardkit
 from shardkit.cli import main as cli_main
-from shardkit.batch.codecs import npy_view
+from shardkit.read.decode import npy_view
 from shardkit.errors import ConfigError, SourceError
 from shardkit.packing.sample import PackSample
 from shardkit.packing.transforms import ImageTransform, transform_from_options

@@ -71,7 +71,7 @@ def test_closed_fragments_reopen_from_the_local_copy(many_fragments: str, tmp_pa
 
 def test_random_access_with_a_node_cache_keeps_manifest_copies(many_fragments: str, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.read.dataset import manifest_copies_dir
+    from shardkit.read.manifest_copies import manifest_copies_dir
 
     monkeypatch.setattr(reader, "FRAGMENT_BYTES", 0)
     sd = shardkit.ShardDataset(many_fragments, cache_dir=tmp_path / "cache")

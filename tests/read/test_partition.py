@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardkit.errors import ConfigError
+from shardkit.read.epoch_order import EpochOrder
 from shardkit.read.partition import (
-    EpochOrder,
     consumed_remaining,
     rank_ranges,
     samples_per_rank,

@@ -1,0 +1,168 @@
+"""Reading a committed dataset's manifest from storage (``dataset.json``, ``shards.parquet``),
+and the checks that its parts agree with each other and with the samples fragments read later.
+
+The layout and schemas are :mod:`shardkit.format.manifest`'s; this module is the reading side.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shardkit.errors import DatasetNotFoundError, ManifestError, first_line
+from shardkit.format.manifest import DATASET_JSON, FORMAT, SHARD_CHECKSUMS_KEY, SHARDS_PARQUET, VERSION, parquet_file
+from shardkit.read.rows import ShardInfo
+from shardkit.storage.store import Store
+
+__all__ = ["check_same_pack", "count_faults", "manifest_faults", "read_info", "read_shards", "shard_infos"]
+
+# The shards.parquet columns of format v1; samples_file and samples_row_group came later.
+_SHARD_COLUMNS = ("shard", "path", "num_samples", "bytes", "first_sample", "checksum")
+
+
+def read_info(store: Store) -> dict[str, Any]:
+    """The dataset's ``dataset.json`` (its commit marker).
+
+    Args:
+        store: the dataset root.
+
+    Returns:
+        The parsed object.
+
+    Raises:
+        DatasetNotFoundError: there is no dataset.json (naming a missing bucket, or a pack that
+            seems unfinished).
+        ManifestError: it is not valid JSON, not a shardkit dataset.json, or of another version.
+    """
+    if not store.exists(DATASET_JSON):
+        if store.is_object_store:
+            bucket = store.bucket_key("")[0]
+            if not store.call(lambda: store.fs.exists(bucket), bucket):
+                raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: bucket {bucket!r} does not exist "
+                                           f"at {store.where}")
+        hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
+        raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
+    raw = store.read_bytes(DATASET_JSON)
+    try:
+        info = json.loads(raw)
+    except ValueError as exc:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {exc}") from exc
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
+    if info.get("version") != VERSION:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
+    return info
+
+
+def read_shards(store: Store) -> pa.Table:
+    """The dataset's ``manifest/shards.parquet``, one row per shard.
+
+    Args:
+        store: the dataset root.
+
+    Returns:
+        The table, with at least the format v1 columns.
+
+    Raises:
+        ManifestError: it is unreadable or lacks a v1 column.
+    """
+    data = store.read_bytes(SHARDS_PARQUET)
+    try:
+        table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({first_line(exc)})") from exc
+    missing = [n for n in _SHARD_COLUMNS if n not in table.column_names]
+    if missing:
+        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")
+    return table
+
+
+def shard_infos(shards: pa.Table) -> list[ShardInfo]:
+    """The rows of shards.parquet as :class:`ShardInfo` objects, in shard order."""
+    cols = shards.to_pydict()
+    n = shards.num_rows
+    files = cols.get("samples_file") or [None] * n
+    groups = cols.get("samples_row_group") or [None] * n
+    return [ShardInfo(cols["shard"][i], cols["path"][i], cols["num_samples"][i], cols["bytes"][i],
+                      cols["first_sample"][i], cols["checksum"][i], files[i] or "",
+                      groups[i] if groups[i] is not None else -1)
+            for i in range(n)]
+
+
+def count_faults(info: dict[str, Any], shards: pa.Table) -> list[str]:
+    """Where dataset.json's counts and shards.parquet disagree: a reader would otherwise index
+    samples that are not there.
+
+    Args:
+        info: dataset.json.
+        shards: shards.parquet.
+
+    Returns:
+        One line per fault; empty when they agree.
+    """
+    faults = []
+    if shards.num_rows != info.get("num_shards"):
+        faults.append(f"dataset.json says {info.get('num_shards')} shards, shards.parquet has {shards.num_rows}")
+    sizes = shards.column("num_samples").to_numpy()
+    if int(sizes.sum()) != info.get("num_samples"):
+        faults.append(f"dataset.json says {info.get('num_samples')} samples, shards.parquet's shards hold "
+                      f"{int(sizes.sum())}")
+    first = shards.column("first_sample").to_numpy()
+    wrong = np.flatnonzero(first != np.cumsum(sizes) - sizes)  # each shard's first: the samples before it
+    if len(wrong):
+        faults.append(f"shards.parquet: first_sample of shard {int(wrong[0])} is {int(first[wrong[0]])}, the "
+                      "shards before it hold a different number of samples")
+    return faults
+
+
+def manifest_faults(info: dict[str, Any], shards: pa.Table) -> list[str]:
+    """:func:`count_faults`, and what else of dataset.json shards.parquet contradicts.
+
+    Args:
+        info: dataset.json.
+        shards: shards.parquet.
+
+    Returns:
+        One line per fault; empty when they agree.
+    """
+    faults = count_faults(info, shards)
+    total = int(pc.sum(shards.column("bytes")).as_py() or 0)
+    if total != info.get("total_bytes"):
+        faults.append(f"dataset.json says {info.get('total_bytes')} total_bytes, shards.parquet's shards hold {total}")
+    return faults
+
+
+def check_same_pack(fragment: pq.ParquetFile, where: str, url: str, shards: Sequence[ShardInfo]) -> None:
+    """Refuse a samples fragment that describes other shards than the shards.parquet a reader
+    opened: the dataset was re-packed at this URL since, and reading the new shards with the
+    new rows would pass every per-sample check while the reader (and its saved state) still
+    stands for the old pack. A fragment packed before fragments recorded the shards'
+    checksums passes.
+
+    Args:
+        fragment: the open fragment.
+        where: the fragment's URL (for the message).
+        url: the dataset's URL (for the message).
+        shards: the shards of the shards.parquet the reader opened.
+
+    Raises:
+        ManifestError: the fragment is of another pack, or its record of shards is unreadable.
+    """
+    raw = (fragment.schema_arrow.metadata or {}).get(SHARD_CHECKSUMS_KEY)
+    if raw is None:
+        return
+    try:
+        listed = {int(k): str(v) for k, v in json.loads(raw).items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ManifestError(f"{where}: unreadable {SHARD_CHECKSUMS_KEY.decode()} ({exc})") from exc
+    for shard, checksum in sorted(listed.items()):
+        mine = shards[shard].checksum if 0 <= shard < len(shards) else None
+        if mine is None or mine.lower() != checksum.lower():
+            raise ManifestError(f"{where} describes shard {shard} of another pack than the {url} this reader "
+                                f"opened (xxh3 {checksum}, not {mine}): it was re-packed since; open it again "
+                                "(a state saved on the old pack does not resume on it)")
