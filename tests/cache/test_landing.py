@@ -18,7 +18,6 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from shardkit.cache import landing
 from shardkit.cache.shard_cache import ShardRef, reports_parts
 from shardkit.config import landing_budget
 from shardkit.errors import ConfigError, IntegrityError
