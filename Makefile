@@ -1,9 +1,9 @@
-# Quick start: `make demo`, `make test`. Everything runs in .venv (scripts/bootstrap.sh).
+# Quick start: `make demo`, `make test`; `make docs` builds the documentation. Everything runs in .venv (scripts/bootstrap.sh).
 PY := .venv/bin/python
 ARGS ?=
 PYTEST_FLAGS ?= -q -p no:cacheprovider --durations=15
 
-.PHONY: bootstrap demo test bench lint clean
+.PHONY: bootstrap demo test bench lint docs clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh test
@@ -27,6 +27,10 @@ lint: bootstrap
 	else \
 		echo "lint: mypy is not installed in .venv (.venv/bin/pip install mypy); skipped"; \
 	fi
+
+# The documentation site (docs/, mkdocs.yml) into build/site; --strict fails on any warning.
+docs: bootstrap
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d build/site
 
 clean:
 	rm -rf .venv build dist *.egg-info .pytest_cache .mypy_cache .hypothesis
