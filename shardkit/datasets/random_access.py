@@ -22,101 +22,38 @@ checks every byte). A read from the cache checks the sample checksum on first us
 
 from __future__ import annotations
 
-import bisect
-import io
 import logging
 import operator
 import os
-from collections import OrderedDict
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import xxhash
 
-from shardkit.format.checksums import BLOCK_BYTES
-from shardkit.cache.shard_cache import CachedShard, ShardCache
-from shardkit.read.checked import block_checksums, read_checked, read_sample
 from shardkit.batch.codecs import make_decoder, npy_view
+from shardkit.cache.shard_cache import CachedShard, ShardCache
 from shardkit.config import checked_cache_dir, parse_size
-from shardkit.errors import ConfigError, IntegrityError, ManifestError, SampleNotFoundError, ShardkitError
-from shardkit.format.manifest import parquet_file
-from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
+from shardkit.datasets.array_reads import Fetch, NpyHeader, array_at, read_npy_header, read_rows, select_rows
+from shardkit.datasets.key_index import KeyIndex, build_key_index
+from shardkit.errors import ConfigError, IntegrityError, SampleNotFoundError
+from shardkit.format.checksums import BLOCK_BYTES
+from shardkit.read.checked import block_checksums, read_checked, read_sample
 from shardkit.read.dataset import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
-from shardkit.read.segments import GAP_BYTES
 from shardkit.read.shard_source import cache_namespace, shard_ref
+from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
+from shardkit.util.lru import LRU
 
 try:  # torch is optional: without it ShardDataset is a plain sequence-like object
     from torch.utils.data import Dataset as _MapBase
 except ImportError:  # pragma: no cover - exercised only without torch
     _MapBase = object  # type: ignore[misc,assignment]
 
-__all__ = ["ShardDataset", "SampleNotFoundError"]
+__all__ = ["NpyHeader", "SampleNotFoundError", "ShardDataset"]
 
 log = logging.getLogger(__name__)
 
-_HEAD_READ = 4096            # first read of a .npy member; np.save headers are 128 bytes or so
-_MAX_HEADER = 65536 + 16     # the bound numpy itself applies (codecs.npy_view)
 _PREAD_CHUNK = 8 * 2**20
 _MMAP_HASH_MAX = 4 * 2**20   # smaller cached samples are hashed through the mapping
-
-
-
-
-class NpyHeader(NamedTuple):
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    fortran: bool
-    data_offset: int  # shard byte offset of the first array byte
-
-
-# Shard bytes [start, end) of one sample, fetched (checked or not, as the reader decided):
-# a buffer holding them and the shard byte where that buffer begins.
-_Fetch = Callable[[int, int], "tuple[np.ndarray, int]"]
-
-
-class _LRU(OrderedDict):  # type: ignore[type-arg]
-    def __init__(self, limit: int, on_evict: Callable[[Any], None] | None = None) -> None:
-        super().__init__()
-        self.limit, self.on_evict = limit, on_evict
-
-    def get_fresh(self, key: Any) -> Any:
-        value = self.get(key)
-        if value is not None:
-            self.move_to_end(key)
-        return value
-
-    def put(self, key: Any, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.limit:
-            _, old = self.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(old)
-
-
-class _KeyIndex:
-    """Keys sorted once with Arrow plus their global indices; lookups binary-search the array.
-
-    Memory is the key bytes + 4 (string offsets) + 8 (index) bytes per sample, in Arrow and
-    numpy buffers (no Python object per key): measured 24 B/key for 12-character keys, so
-    ~0.5 GB for 20 M samples, against ~2.5 GB for a dict of str -> int. Building reads only
-    the manifest's ``key`` column and sorts it once (measured ~1.2 s per million keys on a
-    loaded 2-core machine); a lookup is a binary search, ~25 Arrow scalar reads (~0.1 ms).
-    """
-
-    def __init__(self, keys: pa.Array, index: np.ndarray) -> None:
-        order = pc.sort_indices(keys).to_numpy()
-        self.keys = keys.take(pa.array(order))
-        self.index = index[order]
-
-    def find(self, key: str) -> int | None:
-        keys = self.keys
-        lo = bisect.bisect_left(range(len(keys)), key, key=lambda k: keys[k].as_py())
-        if lo < len(keys) and keys[lo].as_py() == key:
-            return int(self.index[lo])
-        return None
 
 
 def _hash_file(path: str, start: int, size: int) -> int:
@@ -136,14 +73,6 @@ def _hash_file(path: str, start: int, size: int) -> int:
     finally:
         os.close(fd)
     return h.intdigest()
-
-
-def _array_at(got: tuple[np.ndarray, int], start: int, hdr: NpyHeader, shape: tuple[int, ...]) -> np.ndarray:
-    """The array of ``shape`` whose bytes begin at shard byte ``start``, as a view of ``got``
-    (a buffer of fetched bytes and the shard byte it begins at)."""
-    buf, base = got
-    nbytes = int(np.prod(shape, dtype=np.int64)) * hdr.dtype.itemsize
-    return buf[start - base:start - base + nbytes].view(hdr.dtype).reshape(shape, order="F" if hdr.fortran else "C")
 
 
 class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
@@ -196,7 +125,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.transport = choose_transport(self.ds.store, transport)
         make_decoder(decode)  # validate in the main process
         self._first = self.ds.first_samples
-        self._key_index: _KeyIndex | None = None
+        self._key_index: KeyIndex | None = None
         self._init_process()
 
     # ---- per-process state ----------------------------------------------------------------
@@ -204,8 +133,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     def _init_process(self) -> None:
         self._pid = os.getpid()
         self._decoder = make_decoder(self.decode)
-        self._headers = _LRU(4096)
-        self._open = _LRU(self.max_open_shards, on_evict=lambda c: c.close())
+        self._headers: LRU[tuple[int, int, str, bool], NpyHeader] = LRU(4096)
+        self._open: LRU[int, CachedShard] = LRU(self.max_open_shards, on_evict=lambda c: c.close())
         self._verified: set[tuple[int, int]] = set()
         self._cache: ShardCache | None = None
         self._counter = ByteCounter()
@@ -234,9 +163,10 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         """Unpin the cached shards this process holds open (arrays already returned stay valid)."""
         if self._pid != os.getpid():
             return
-        while self._open:
-            _, cached = self._open.popitem(last=False)
-            cached.close()
+        for shard in self._open:  # least recently used first; a copy of the keys
+            cached = self._open.pop(shard)
+            if cached is not None:
+                cached.close()
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -280,7 +210,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         workers fork and they share it copy-on-write.
         """
         if self._key_index is None:
-            self._key_index = self._build_key_index()
+            self._key_index = build_key_index(self.ds)
         found = self._key_index.find(str(key))
         if found is None:
             raise SampleNotFoundError(f"no sample with key {key!r} in {self.url}")
@@ -289,35 +219,6 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     def by_key(self, key: str) -> Any:
         """The sample with ``key``, as ``ds[ds.index_of(key)]``."""
         return self[self.index_of(key)]
-
-    def _build_key_index(self) -> _KeyIndex:
-        store = self.ds.store
-        by_file: dict[str, list[ShardInfo]] = {}
-        for info in self.ds.shard_list:
-            if info.num_samples:
-                if not info.samples_file or info.samples_row_group < 0:
-                    return self._key_index_from_samples()
-                by_file.setdefault(info.samples_file, []).append(info)
-        keys: list[pa.Array] = []
-        index: list[np.ndarray] = []
-        for name, infos in by_file.items():
-            groups = [s.samples_row_group for s in infos]
-            table = parquet_file(store.read_bytes(name)).read_row_groups(groups, columns=["key"], use_threads=False)
-            if table.num_rows != sum(s.num_samples for s in infos):
-                raise ManifestError(f"{self.url}: {name} holds {table.num_rows} keys, shards.parquet says "
-                                    f"{sum(s.num_samples for s in infos)}")
-            keys.extend(table.column("key").chunks)
-            index.extend(np.arange(s.first_sample, s.first_sample + s.num_samples, dtype=np.int64) for s in infos)
-        if not keys:
-            return _KeyIndex(pa.array([], pa.string()), np.empty(0, np.int64))
-        return _KeyIndex(pa.chunked_array(keys).combine_chunks(), np.concatenate(index))
-
-    def _key_index_from_samples(self) -> _KeyIndex:
-        table = self.ds.samples.select(["key", "shard"])
-        if table.num_rows and not bool(pc.all(pc.greater_equal(
-                pc.pairwise_diff(table.column("shard").combine_chunks()).fill_null(0), 0)).as_py()):
-            raise ManifestError(f"{self.url}: sample rows are not in shard order")
-        return _KeyIndex(table.column("key").combine_chunks(), np.arange(table.num_rows, dtype=np.int64))
 
     # ---- the node cache -------------------------------------------------------------------
 
@@ -342,7 +243,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         cache = self._cache_obj()
         if cache is None:
             return None
-        cached = self._open.get_fresh(info.shard)
+        cached = self._open.get(info.shard)
         if cached is not None:
             return cached
         ref = shard_ref(info)
@@ -392,7 +293,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     def _read_sample(self, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
         return read_sample(lambda a, b, out: self._read(info, a, b, out), info, rows, pos, index)
 
-    def _fetcher(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, checked: bool) -> _Fetch:
+    def _fetcher(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, checked: bool) -> Fetch:
         """Reads of sample ``pos``'s bytes for one call: checked (whole blocks, or the whole
         sample) or exactly the range asked for; a range inside a read already made is served
         from it (the header's block often holds the rows asked for too)."""
@@ -444,44 +345,26 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                             checked)
 
     def _header(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, field: str, offset: int, size: int,
-                fetch: _Fetch, checked: bool) -> NpyHeader:
+                fetch: Fetch, checked: bool) -> NpyHeader:
         key = (info.shard, pos, field, checked)  # a checked read never uses a header parsed from unchecked bytes
-        hit = self._headers.get_fresh(key)
+        hit = self._headers.get(key)
         if hit is not None:
-            return hit  # type: ignore[no-any-return]
-        name = f"sample {rows.key(pos)!r} (index {index}) field {field!r}"
-
-        def head(n: int) -> bytes:
-            n = min(n, size)
-            buf, base = fetch(offset, offset + n)
-            return bytes(buf[offset - base:offset - base + n])
-
-        raw = head(_HEAD_READ)
-        if len(raw) >= 12 and raw[:6] == b"\x93NUMPY":
-            prefix = 10 if raw[6] == 1 else 12
-            need = prefix + int.from_bytes(raw[8:prefix], "little")
-            if need > _MAX_HEADER:
-                raise IntegrityError(f"{name}: .npy header of {need} bytes is implausibly large")
-            if need > len(raw):
-                raw = head(need)
-        from shardkit.packing.sources.npy import parse_npy_header
-
-        try:
-            dtype, shape, fortran, hlen = parse_npy_header(io.BytesIO(raw), name=name)
-        except ShardkitError as exc:
-            raise IntegrityError(str(exc)) from exc
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if hlen + nbytes != size:
-            raise IntegrityError(f"{name}: .npy header says {hlen} + {nbytes} bytes, the member is {size}")
-        header = NpyHeader(dtype, tuple(shape), fortran, offset + hlen)
+            return hit
+        header = read_npy_header(fetch, offset, size, _member(rows, pos, index, field))
         self._headers.put(key, header)
         return header
 
     def read_array(self, index: int, field: str = "npy", rows: int | slice | None = None) -> np.ndarray:
         """Rows of a ``.npy`` member of sample ``index``, reading only their bytes.
 
+        A C-ordered member moves the rows covering the slice rounded out to whole 1 MiB
+        blocks (at most 2 MiB more than the rows, plus the header's block on the first read of
+        a sample); rows of a stepped slice 1 MiB or more apart are read one by one instead. A
+        sample of 1 MiB or less, and a Fortran-ordered member (its rows are not contiguous),
+        move whole, then are sliced.
+
         Args:
-            index: global sample index.
+            index: global sample index (negative counts from the end).
             field: the member (``"npy"``, ``"depth.npy"``, ...).
             rows: ``None`` (the whole array), an int (one row, first axis dropped) or a slice
                 along the first axis. Out-of-range ints and slice bounds raise IndexError
@@ -493,11 +376,14 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             cache: a read-only zero-copy view of the mapped shard. From storage: an array of
             its own, every byte checked against the manifest (see the module docstring for
             the one exception, partial reads in datasets packed before block checksums).
-            A C-ordered member moves the rows covering the slice rounded out to whole 1 MiB
-            blocks (at most 2 MiB more than the rows, plus the header's block on the first
-            read of a sample); rows of a stepped slice 1 MiB or more apart are read one by
-            one instead. A sample of 1 MiB or less, and a Fortran-ordered member (its rows
-            are not contiguous), move whole, then are sliced.
+
+        Raises:
+            IndexError: ``index``, a row or a slice bound is out of range, or the array is 0-d.
+            ConfigError: the sample has no such field, a zero slice step, or ``rows`` of
+                another type.
+            IntegrityError: the member is not a valid ``.npy`` array, or its bytes fail their
+                checksum.
+            StorageError: reading from storage failed.
         """
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
@@ -507,57 +393,15 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         if cached is not None:
             self._verify_cached(cached, info, srows, pos, i)
             arr = npy_view(cached.buffer()[offset:offset + size], native=False)  # the stored dtype, as from storage
-            return arr if rows is None else arr[self._rows_sel(arr.shape, rows, srows.key(pos), i, field)]
+            return arr if rows is None else arr[select_rows(arr.shape, rows, _member(srows, pos, i, field))]
         checked = self._checked(info, srows, pos, whole=rows is None)
         fetch = self._fetcher(info, srows, pos, i, checked)
         hdr = self._header(info, srows, pos, i, field, offset, size, fetch, checked)
         if rows is None:
-            return _array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
-        sel = self._rows_sel(hdr.shape, rows, srows.key(pos), i, field)
-        if hdr.fortran:
-            # Fortran order: a row is strided through the whole array, so the whole array is read.
-            whole = _array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
-            return np.ascontiguousarray(whole[sel])
-        picked = range(sel, sel + 1) if isinstance(sel, int) else range(*sel.indices(hdr.shape[0]))
-        if not picked:
-            return np.empty((0,) + hdr.shape[1:], dtype=hdr.dtype)
-        row_bytes = int(np.prod(hdr.shape[1:], dtype=np.int64)) * hdr.dtype.itemsize
-        if (abs(picked.step) - 1) * row_bytes >= GAP_BYTES:
-            # Rows far apart (rows=slice(0, 2400, 800)): one read each, not the span between.
-            out = np.empty((len(picked),) + hdr.shape[1:], dtype=hdr.dtype)
-            for k, r in enumerate(picked):
-                start = hdr.data_offset + r * row_bytes
-                out[k] = _array_at(fetch(start, start + row_bytes), start, hdr, (1,) + hdr.shape[1:])[0]
-            return out
-        lo, hi = min(picked), max(picked) + 1  # the covering rows; exactly the rows when step is 1
-        start = hdr.data_offset + lo * row_bytes
-        got = fetch(start, start + (hi - lo) * row_bytes)
-        block = _array_at(got, start, hdr, (hi - lo,) + hdr.shape[1:])
-        if 2 * block.nbytes < len(got[0]):
-            block = block.copy()  # a few rows must not keep the blocks read around them alive
-        if isinstance(sel, int):
-            return block[0]
-        if picked.step == 1:
-            return block
-        return np.ascontiguousarray(block[np.asarray(picked) - lo])
+            return array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
+        return read_rows(fetch, hdr, offset + size, select_rows(hdr.shape, rows, _member(srows, pos, i, field)))
 
-    @staticmethod
-    def _rows_sel(shape: tuple[int, ...], rows: int | slice, key: str, index: int, field: str) -> int | slice:
-        what = f"sample {key!r} (index {index}) field {field!r}"
-        if not shape:
-            raise IndexError(f"{what}: a 0-d array has no rows to select")
-        n0 = shape[0]
-        if isinstance(rows, slice):
-            if rows.step == 0:
-                raise ConfigError(f"{what}: slice step cannot be zero")
-            for bound in (rows.start, rows.stop):
-                if bound is not None and not -n0 <= operator.index(bound) <= n0:
-                    raise IndexError(f"{what}: slice bound {bound} out of range for {n0} rows")
-            return rows
-        try:
-            r = operator.index(rows)
-        except TypeError:
-            raise ConfigError(f"{what}: rows must be None, an int or a slice, got {type(rows).__name__}") from None
-        if not -n0 <= r < n0:
-            raise IndexError(f"{what}: row {r} out of range for {n0} rows")
-        return r + n0 if r < 0 else r
+
+def _member(rows: ShardRows, pos: int, index: int, field: str) -> str:
+    """A member named for error messages."""
+    return f"sample {rows.key(pos)!r} (index {index}) field {field!r}"

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from shardkit.cache.shard_cache import ShardRef, is_positional, positional
 from shardkit.errors import IntegrityError
-from test_cache import MB, NS, Store, UsageSampler, make_store, wait_for
+from cache.test_cache import MB, NS, Store, UsageSampler, make_store, wait_for  # tests/ is on sys.path (conftest.py)
 
 pytestmark = pytest.mark.timeout(120)
 
