@@ -178,8 +178,15 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.close()
 
     def stats(self) -> dict[str, int]:
-        """Bytes and GET requests this process's reads moved from storage (not the cache)."""
-        return self._counter.snapshot()
+        """Counters of this process's reads from storage (reads served by the cache count nothing).
+
+        Returns:
+            ``bytes_fetched``: bytes read from storage (the name
+            :meth:`StreamingDataset.stats <shardkit.datasets.streaming.StreamingDataset.stats>`
+            uses); ``requests``: GET requests made.
+        """
+        counted = self._counter.snapshot()
+        return {"bytes_fetched": counted["bytes"], "requests": counted["requests"]}
 
     # ---- locating -------------------------------------------------------------------------
 
