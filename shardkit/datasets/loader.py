@@ -15,10 +15,11 @@ import numpy as np
 from torch.utils.data import DataLoader, default_convert
 
 from shardkit.batch.buffers import BufferPool
-from shardkit.config import int_arg
-from shardkit.datasets.streaming import StreamingDataset, _to_torch
-from shardkit.errors import ConfigError
 from shardkit.batch.ring import BatchRing, RingBatch
+from shardkit.config import int_arg
+from shardkit.datasets.streaming import StreamingDataset
+from shardkit.datasets.tensors import pinned_buffer, to_torch
+from shardkit.errors import ConfigError
 
 MAX_RING_SLOT = 256 << 20  # bigger batches (huge samples) are not worth parking in shared memory
 
@@ -85,7 +86,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         self._use_ring = handoff != "copy" and not why_not
         self._ring: BatchRing | None = None
         self._ring_clean = False  # the last epoch ran to its end: its workers are gone
-        self._pool = BufferPool(pin=True) if bool(self.pin_memory) and _cuda_available() else None
+        self._pool = BufferPool(allocate=pinned_buffer) if bool(self.pin_memory) and _cuda_available() else None
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
         # Unbatched (no batch_size anywhere): every item is one sample, whatever it holds
@@ -150,7 +151,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
                 pinned = self._pool.take(batch[name].nbytes)
                 pinned[:] = batch[name]
                 batch[name] = pinned
-        return _to_torch(batch)
+        return to_torch(batch)
 
     @property
     def consumed(self) -> int:
