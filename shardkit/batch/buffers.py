@@ -2,7 +2,7 @@
 
 A fresh ``np.empty`` per batch is a fresh ``mmap`` from the allocator, and the copy into it
 page-faults (and the kernel zero-fills) every 4 KiB page first, which makes the copy much
-slower than one into memory already mapped (see benchmarks/RESULTS.md). The pool hands out
+slower than one into memory already mapped. The pool hands out
 slices of a few buffers and takes a buffer back once nothing refers to it any more, which
 CPython's reference counts tell exactly: every numpy slice, ``torch.from_numpy`` tensor and
 memoryview of a buffer holds a reference to it. A training loop that keeps its batches simply

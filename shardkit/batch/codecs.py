@@ -14,6 +14,9 @@ import numpy as np
 
 from shardkit.errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
 
+__all__ = ["IMAGE_EXTS", "META_KEYS", "TEXT_EXTS", "CenterCrop", "Decoder", "decode_field", "make_decoder",
+           "npy_view", "raw"]
+
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
 TEXT_EXTS = frozenset({"txt", "text", "transcript"})
 META_KEYS = ("__key__", "__index__", "__shard__")
@@ -24,8 +27,18 @@ Decoder = Callable[[dict[str, Any]], Any]
 def npy_view(buf: memoryview | bytes, writable: bool = False, native: bool = True) -> np.ndarray:
     """A numpy array over a ``.npy`` member's bytes, without copying the data.
 
-    ``native``: a big-endian array comes back converted to native byte order (a copy), as
-    decoders hand it to torch; ``False`` keeps the stored dtype, as ``np.load`` does."""
+    Args:
+        buf: the member's bytes (header and data).
+        writable: return a writable array (a copy when ``buf`` is read-only).
+        native: a big-endian array comes back converted to native byte order (a copy), as
+            decoders hand it to torch; ``False`` keeps the stored dtype, as ``np.load`` does.
+
+    Returns:
+        The array, a view of ``buf`` unless a conversion or ``writable`` needed a copy.
+
+    Raises:
+        IntegrityError: the bytes are not a valid ``.npy`` member, or hold Python objects.
+    """
     view = memoryview(buf)
     head = bytes(view[:min(len(view), 65536 + 16)])
     bio = io.BytesIO(head)
@@ -54,6 +67,22 @@ def _ext(name: str) -> str:
 
 
 def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
+    """Decode one field by its last extension.
+
+    Args:
+        name: the field name (``jpg``, ``image.npy``, ``meta.json``, ...).
+        value: its raw bytes.
+        images: ``"pil"`` (PIL images) or ``"numpy"`` (uint8 arrays) for image fields.
+
+    Returns:
+        An image or array for images, a zero-copy array for ``.npy``, the parsed value for
+        json, a str for text, an int for class labels, and ``bytes`` otherwise.
+
+    Raises:
+        IntegrityError: a ``.npy`` field is not valid.
+        Exception: whatever the decoder raises for bad bytes (PIL, json, int parsing);
+            :func:`make_decoder` turns it into a DecodeError naming the sample.
+    """
     ext = _ext(name)
     if ext in IMAGE_EXTS:
         from PIL import Image
@@ -73,12 +102,31 @@ def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
 
 
 def raw(sample: dict[str, Any]) -> dict[str, Any]:
-    """Field values as ``bytes`` (what WebDataset yields without a decoder)."""
+    """Field values as ``bytes`` (what WebDataset yields without a decoder).
+
+    Args:
+        sample: a sample dict whose fields may be memoryviews.
+
+    Returns:
+        A new dict, memoryviews copied to ``bytes``.
+    """
     return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in sample.items()}
 
 
 def make_decoder(decode: str | Decoder | None) -> Decoder:
-    """``None`` -> raw bytes; ``"pil"`` / ``"numpy"`` -> decoded fields; a callable -> applied to raw."""
+    """The sample decoder a ``decode`` option names.
+
+    Args:
+        decode: ``None`` (or ``"raw"``): raw bytes; ``"pil"`` / ``"numpy"``: fields decoded by
+            extension (:func:`decode_field`); a callable: applied to the raw sample.
+
+    Returns:
+        A callable on a sample dict. Its failures (other than shardkit's own errors) are
+        raised as DecodeError naming the sample and its shard.
+
+    Raises:
+        ConfigError: ``decode`` is none of these.
+    """
     if decode is None or decode == "raw":
         return raw
     if decode in ("pil", "numpy"):
@@ -126,13 +174,17 @@ class CenterCrop:
     to ``resize`` (default ``size * 256 / 224``, the usual evaluation transform), then crop the centre.
 
     JPEGs are decoded at reduced scale when they are at least twice the resize target (PIL's
-    ``draft``: libjpeg scales during decode), which cuts decode time several-fold; when the
-    scaled decode lands on the target exactly, no resize runs at all. Picklable, so it can be
-    passed as ``decode=`` into DataLoader workers.
+    ``draft``: libjpeg scales during decode), which costs far less than a full-size decode;
+    when the scaled decode lands on the target exactly, no resize runs at all. Picklable, so
+    it can be passed as ``decode=`` into DataLoader workers. Class label fields (``cls``,
+    ``cls2``, ``index``, ``label``) come back as ints.
 
-    ``field``: the image field to decode (default: the sample's first image field).
-    ``as_field``: the name the pixels go under (default: the image field's own), so that a
-    dataset mixing ``.jpg`` and ``.png`` batches into one ``[B, size, size, 3]`` array.
+    Args:
+        size: the side of the square crop.
+        resize: the shorter side after resizing (default ``size * 256 / 224``).
+        field: the image field to decode (default: the sample's first image field).
+        as_field: the name the pixels go under (default: the image field's own), so that a
+            dataset mixing ``.jpg`` and ``.png`` batches into one ``[B, size, size, 3]`` array.
     """
 
     def __init__(self, size: int = 224, resize: int | None = None, field: str | None = None,
@@ -143,6 +195,18 @@ class CenterCrop:
         self.as_field = as_field
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """Decode and crop the image field of ``sample``.
+
+        Args:
+            sample: a raw sample dict.
+
+        Returns:
+            A new dict: the pixels as a ``(size, size, 3)`` uint8 array, labels as ints.
+
+        Raises:
+            ConfigError: the sample has no image field.
+            DecodeError: the image field is not a decodable image.
+        """
         from PIL import Image
 
         name = self.field or next((k for k in sample if _ext(k) in IMAGE_EXTS), None)
