@@ -20,7 +20,8 @@ from shardkit.batch.buffers import BufferPool
 from shardkit.batch.codecs import Decoder, make_decoder
 from shardkit.batch.collate import collate
 from shardkit.batch.lookahead import Later, Lookahead
-from shardkit.batch.raw import (BatchPlan, MapWarmer, MemberCopy, assemble, copy_into, done, field_bytes, fill,
+from shardkit.batch.map_warmer import MapWarmer
+from shardkit.batch.raw import (BatchPlan, MemberCopy, assemble, copy_into, done, field_bytes, fill,
                                 plan_batch, prepare, view_batch)
 from shardkit.batch.ring import BatchRing, RingBatch
 from shardkit.read.dataset import Dataset, sample_dicts, sample_from

@@ -16,9 +16,11 @@ import numpy as np
 
 from shardkit.errors import ConfigError, IntegrityError, ShardkitError
 from shardkit.format.npy import parse_npy_header
+from shardkit.read.dataset import ShardRows
 from shardkit.read.segments import GAP_BYTES
 
-__all__ = ["Fetch", "NpyHeader", "array_at", "read_npy_header", "read_rows", "select_rows"]
+__all__ = ["Fetch", "NpyHeader", "array_at", "member_name", "member_span", "read_npy_header", "read_rows",
+           "select_rows"]
 
 _HEAD_READ = 4096            # first read of a .npy member; np.save headers are 128 bytes or so
 _MAX_HEADER = 65536 + 16     # the bound numpy itself applies (codecs.npy_view)
@@ -35,6 +37,33 @@ class NpyHeader(NamedTuple):
     shape: tuple[int, ...]
     fortran: bool
     data_offset: int  # shard byte offset of the first array byte
+
+
+def member_span(rows: ShardRows, pos: int, field: str, index: int) -> tuple[int, int]:
+    """Where member ``field`` of sample ``pos`` lies in its shard.
+
+    Args:
+        rows: the shard's manifest rows.
+        pos: the sample's position in the shard.
+        field: the member (``"npy"``, ``"depth.npy"``, ...).
+        index: the sample's global index (for the message).
+
+    Returns:
+        ``(shard offset, size)`` of the member's bytes.
+
+    Raises:
+        ConfigError: the sample has no such member.
+    """
+    names, offs, sizes = rows.fields(pos)
+    if field not in names:
+        raise ConfigError(f"sample {rows.key(pos)!r} (index {index}) has no field {field!r} (fields: {names})")
+    j = names.index(field)
+    return int(offs[j]), int(sizes[j])
+
+
+def member_name(rows: ShardRows, pos: int, index: int, field: str) -> str:
+    """A member named for error messages: its sample's key and index, and the field."""
+    return f"sample {rows.key(pos)!r} (index {index}) field {field!r}"
 
 
 def array_at(got: tuple[np.ndarray, int], start: int, hdr: NpyHeader, shape: tuple[int, ...]) -> np.ndarray:

@@ -7,7 +7,7 @@ ranged GETs into one preallocated buffer when the sample is larger than ``part_s
 
 ``ds.read_array(i, "npy", rows=slice(a, b))`` reads only rows ``a..b`` of a C-ordered ``.npy``
 member of a big sample: the 1 MiB block holding the header (parsed once per sample and
-field), then the blocks holding the rows.
+field), then the blocks holding the rows (:mod:`shardkit.datasets.array_reads`).
 
 Verification: a sample returned by ``ds[i]`` has had its xxh3-64 checked (once per process
 for a cached sample, hashed with ``pread`` so a 300 MB sample never inflates RSS). Reads by
@@ -22,24 +22,24 @@ checks every byte). A read from the cache checks the sample checksum on first us
 
 from __future__ import annotations
 
-import logging
 import operator
 import os
 from typing import Any, Callable
 
 import numpy as np
-import xxhash
 
 from shardkit.batch.codecs import make_decoder, npy_view
-from shardkit.cache.shard_cache import CachedShard, ShardCache
+from shardkit.cache.shard_cache import CachedShard
 from shardkit.config import checked_cache_dir, parse_size
-from shardkit.datasets.array_reads import Fetch, NpyHeader, array_at, read_npy_header, read_rows, select_rows
+from shardkit.datasets.array_reads import (Fetch, NpyHeader, array_at, member_name, member_span, read_npy_header,
+                                          read_rows, select_rows)
+from shardkit.datasets.cached_shards import CachedShards
 from shardkit.datasets.key_index import KeyIndex, build_key_index
-from shardkit.errors import ConfigError, IntegrityError, SampleNotFoundError
+from shardkit.errors import ConfigError, SampleNotFoundError
 from shardkit.format.checksums import BLOCK_BYTES
 from shardkit.read.checked import block_checksums, read_checked, read_sample
 from shardkit.read.dataset import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
-from shardkit.read.shard_source import cache_namespace, shard_ref
+from shardkit.read.shard_source import cache_namespace
 from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
 from shardkit.util.lru import LRU
 
@@ -49,30 +49,6 @@ except ImportError:  # pragma: no cover - exercised only without torch
     _MapBase = object  # type: ignore[misc,assignment]
 
 __all__ = ["NpyHeader", "SampleNotFoundError", "ShardDataset"]
-
-log = logging.getLogger(__name__)
-
-_PREAD_CHUNK = 8 * 2**20
-_MMAP_HASH_MAX = 4 * 2**20   # smaller cached samples are hashed through the mapping
-
-
-def _hash_file(path: str, start: int, size: int) -> int:
-    """xxh3-64 of a file range through ``pread`` (page cache only: RSS stays flat)."""
-    h = xxhash.xxh3_64()
-    buf = bytearray(min(_PREAD_CHUNK, max(size, 1)))
-    view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [view[:min(len(buf), size - done)]], start + done)
-            if n <= 0:
-                break
-            h.update(view[:n])
-            done += n
-    finally:
-        os.close(fd)
-    return h.intdigest()
 
 
 class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
@@ -98,6 +74,11 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             repeated random access over a dataset that fits the cache).
         transport: ``"auto"`` (boto3 for S3, else fsspec), ``"boto3"`` or ``"fsspec"``.
         max_open_shards: cached shards kept mapped (and pinned against eviction) per process.
+
+    Raises:
+        ConfigError: a bad option (``concurrency`` or ``max_open_shards`` below 1,
+            ``cache_shards`` without ``cache_dir``, a bad size, decoder or transport).
+        DatasetNotFoundError: nothing is at ``url``.
     """
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str = "200GB",
@@ -134,9 +115,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self._pid = os.getpid()
         self._decoder = make_decoder(self.decode)
         self._headers: LRU[tuple[int, int, str, bool], NpyHeader] = LRU(4096)
-        self._open: LRU[int, CachedShard] = LRU(self.max_open_shards, on_evict=lambda c: c.close())
-        self._verified: set[tuple[int, int]] = set()
-        self._cache: ShardCache | None = None
+        self._cache = (None if self.cache_dir is None else
+                       CachedShards(self.ds, self.cache_dir, self.cache_limit, cache_shards=self.cache_shards,
+                                    max_open=self.max_open_shards))
         self._counter = ByteCounter()
 
     def _local(self) -> None:
@@ -160,16 +141,15 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return self.ds.num_samples
 
     def close(self) -> None:
-        """Unpin the cached shards this process holds open (arrays already returned stay valid)."""
+        """Unpin the cached shards this process holds open (arrays already returned stay valid).
+
+        A no-op in a process that did not make or unpickle this object (a forked worker
+        holds the parent's pins only as copies).
+        """
         if self._pid != os.getpid():
             return
-        for shard in self._open:  # least recently used first; a copy of the keys
-            cached = self._open.pop(shard)
-            if cached is not None:
-                cached.close()
         if self._cache is not None:
             self._cache.close()
-            self._cache = None
 
     def __enter__(self) -> ShardDataset:
         return self
@@ -191,7 +171,18 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
     # ---- locating -------------------------------------------------------------------------
 
     def locate(self, index: int) -> tuple[int, int]:
-        """(shard, position in shard) of global sample ``index`` (negative counts from the end)."""
+        """Where global sample ``index`` lies.
+
+        Args:
+            index: global sample index (negative counts from the end).
+
+        Returns:
+            ``(shard, position in the shard)``.
+
+        Raises:
+            TypeError: ``index`` is not an integer.
+            IndexError: ``index`` is out of range.
+        """
         try:
             i = operator.index(index)
         except TypeError:
@@ -209,12 +200,22 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return self.ds.cached_rows(shard)
 
     def index_of(self, key: str) -> int:
-        """Global index of the sample with ``key`` (SampleNotFoundError if none).
+        """Global index of the sample with ``key``.
 
         The first call builds the key index from the manifest's ``key`` column only: one
-        Arrow sort (~1 s per million keys) and ~(key length + 12) bytes per sample for the
-        process's lifetime (~0.5 GB for 20 M short keys; see ``_KeyIndex``). Build it in the main process before DataLoader
-        workers fork and they share it copy-on-write.
+        Arrow sort, and (key length + 12) bytes per sample for the process's lifetime (see
+        :class:`~shardkit.datasets.key_index.KeyIndex`). Build it in the main process before
+        DataLoader workers fork and they share it copy-on-write.
+
+        Args:
+            key: a sample key.
+
+        Returns:
+            The sample's global index.
+
+        Raises:
+            SampleNotFoundError: no sample has that key.
+            ManifestError: the manifest's key columns disagree with its shard table.
         """
         if self._key_index is None:
             self._key_index = build_key_index(self.ds)
@@ -224,22 +225,20 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return found
 
     def by_key(self, key: str) -> Any:
-        """The sample with ``key``, as ``ds[ds.index_of(key)]``."""
+        """The sample with ``key``, as ``ds[ds.index_of(key)]``.
+
+        Args:
+            key: a sample key.
+
+        Returns:
+            The decoded sample.
+
+        Raises:
+            SampleNotFoundError: no sample has that key.
+        """
         return self[self.index_of(key)]
 
     # ---- the node cache -------------------------------------------------------------------
-
-    def _cache_obj(self) -> ShardCache | None:
-        self._local()
-        if self.cache_dir is None:
-            return None
-        if self._cache is None:
-            # verify=False: every download is hashed before it is published, and a file still
-            # bearing the cache's "verified" stamp is trusted; an unstamped one (changed since,
-            # or stamped by nobody) has its samples checked one by one below.
-            self._cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
-                                     verify=False)
-        return self._cache
 
     def _fetch_shard(self, ref: Any, out: Any, start: int) -> None:
         self.ds.store.fetch_into(ref.name, out, start, ref.size, progress=lambda n: self._counter.add(n),
@@ -247,40 +246,31 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
     def _cached(self, info: ShardInfo) -> CachedShard | None:
         """The mapped shard if it is in the cache (or ``cache_shards`` fetches it), else None."""
-        cache = self._cache_obj()
-        if cache is None:
-            return None
-        cached = self._open.get(info.shard)
-        if cached is not None:
-            return cached
-        ref = shard_ref(info)
-        # ShardCache has no "open only if present": look for the published file first. If it is
-        # evicted between this check and open(), open() downloads it again (rare, and correct).
-        present = cache.contains(ref)
-        if not present and not self.cache_shards:
-            return None
-        cached = cache.open(ref, self._fetch_shard)
-        self._open.put(info.shard, cached)
-        return cached
+        self._local()
+        return None if self._cache is None else self._cache.open(info, self._fetch_shard)
 
     def _verify_cached(self, cached: CachedShard, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> None:
-        if cached.verified or (info.shard, pos) in self._verified:
-            return  # the whole shard file is verified and unchanged (the cache's stamp)
-        start, size = int(rows.offset[pos]), int(rows.size[pos])
-        if size <= _MMAP_HASH_MAX:
-            got = xxhash.xxh3_64_intdigest(cached.buffer()[start:start + size])
-        else:  # a big sample through pread: the mapping's pages are not touched, RSS stays flat
-            got = _hash_file(cached.path, start, size)
-        if got != int(rows.checksum[pos]):
-            raise IntegrityError(f"sample {rows.key(pos)!r} (index {index}) in cached {info.path} fails its "
-                                 f"checksum (corrupt cache file {cached.path})")
-        if len(self._verified) > 1_000_000:
-            self._verified.clear()
-        self._verified.add((info.shard, pos))
+        if self._cache is not None:
+            self._cache.check(cached, info, rows, pos, index)
 
     # ---- whole samples --------------------------------------------------------------------
 
     def __getitem__(self, index: int) -> Any:
+        """Sample ``index``, its checksum checked.
+
+        Args:
+            index: global sample index (negative counts from the end).
+
+        Returns:
+            The sample dict (``__key__``, ``__index__``, ``__shard__`` and its fields) through
+            ``decode``: from the cache, fields are zero-copy views of the mapped shard.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+            IntegrityError: the sample fails its checksum (twice, from storage).
+            DecodeError: ``decode`` failed on the sample.
+            StorageError: reading from storage failed.
+        """
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
         info = self.ds.shard_list[shard]
@@ -331,22 +321,30 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
     # ---- partial reads of .npy members ----------------------------------------------------
 
-    def _field(self, rows: ShardRows, pos: int, field: str, index: int) -> tuple[int, int]:
-        names, offs, sizes = rows.fields(pos)
-        if field not in names:
-            raise ConfigError(f"sample {rows.key(pos)!r} (index {index}) has no field {field!r} (fields: {names})")
-        j = names.index(field)
-        return int(offs[j]), int(sizes[j])
-
     def npy_header(self, index: int, field: str = "npy") -> NpyHeader:
-        """dtype, shape, order and data offset of a ``.npy`` member (cached per process), read
-        and checked as :meth:`read_array` reads a few rows: the block holding the header, or
-        the whole of a sample of 1 MiB or less (4 KB, unchecked, for a big sample of a dataset
-        packed before block checksums)."""
+        """The header of a ``.npy`` member (cached per process).
+
+        Read and checked as :meth:`read_array` reads a few rows: the block holding the header,
+        or the whole of a sample of 1 MiB or less (4 KB, unchecked, for a big sample of a
+        dataset packed before block checksums).
+
+        Args:
+            index: global sample index (negative counts from the end).
+            field: the member (``"npy"``, ``"depth.npy"``, ...).
+
+        Returns:
+            Its dtype, shape, order and the shard offset of its first array byte.
+
+        Raises:
+            IndexError: ``index`` is out of range.
+            ConfigError: the sample has no such field.
+            IntegrityError: the member is not a valid ``.npy`` array, or its bytes fail their checksum.
+            StorageError: reading from storage failed.
+        """
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
         info, rows = self.ds.shard_list[shard], self._shard_rows(shard)
-        offset, size = self._field(rows, pos, field, i)
+        offset, size = member_span(rows, pos, field, i)
         checked = self._checked(info, rows, pos, whole=False)
         return self._header(info, rows, pos, i, field, offset, size, self._fetcher(info, rows, pos, i, checked),
                             checked)
@@ -357,7 +355,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         hit = self._headers.get(key)
         if hit is not None:
             return hit
-        header = read_npy_header(fetch, offset, size, _member(rows, pos, index, field))
+        header = read_npy_header(fetch, offset, size, member_name(rows, pos, index, field))
         self._headers.put(key, header)
         return header
 
@@ -395,20 +393,16 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         shard, pos = self.locate(index)
         i = int(self._first[shard]) + pos
         info, srows = self.ds.shard_list[shard], self._shard_rows(shard)
-        offset, size = self._field(srows, pos, field, i)
+        offset, size = member_span(srows, pos, field, i)
         cached = self._cached(info)
         if cached is not None:
             self._verify_cached(cached, info, srows, pos, i)
             arr = npy_view(cached.buffer()[offset:offset + size], native=False)  # the stored dtype, as from storage
-            return arr if rows is None else arr[select_rows(arr.shape, rows, _member(srows, pos, i, field))]
+            return arr if rows is None else arr[select_rows(arr.shape, rows, member_name(srows, pos, i, field))]
         checked = self._checked(info, srows, pos, whole=rows is None)
         fetch = self._fetcher(info, srows, pos, i, checked)
         hdr = self._header(info, srows, pos, i, field, offset, size, fetch, checked)
         if rows is None:
             return array_at(fetch(hdr.data_offset, offset + size), hdr.data_offset, hdr, hdr.shape)
-        return read_rows(fetch, hdr, offset + size, select_rows(hdr.shape, rows, _member(srows, pos, i, field)))
+        return read_rows(fetch, hdr, offset + size, select_rows(hdr.shape, rows, member_name(srows, pos, i, field)))
 
-
-def _member(rows: ShardRows, pos: int, index: int, field: str) -> str:
-    """A member named for error messages."""
-    return f"sample {rows.key(pos)!r} (index {index}) field {field!r}"
