@@ -74,5 +74,9 @@ class BufferPool:
         return buf
 
     def held_bytes(self) -> int:
-        """Bytes of the buffers the pool keeps."""
+        """Bytes of the buffers the pool keeps.
+
+        Returns:
+            The total size of the kept buffers (in use or idle).
+        """
         return sum(b.nbytes for b in self._bufs)

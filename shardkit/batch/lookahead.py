@@ -102,7 +102,9 @@ class Later(Sequence[Run]):
         return len(self._get())
 
     def __getitem__(self, i: Any) -> Any:
+        """A run, or a list of runs for a slice."""
         return self._get()[i]
 
     def __iter__(self) -> Iterator[Run]:
+        """The runs in order."""
         return iter(self._get())

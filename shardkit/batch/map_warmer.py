@@ -31,7 +31,7 @@ class MapWarmer:
 
     _ADVICE = 22  # MADV_POPULATE_READ
 
-    # Maps already populated, across streams: a kept map (keptmaps) stays populated from one
+    # Maps already populated, across streams: a kept map (cache.kept_maps) stays populated from one
     # epoch to the next; weak, so a map that goes is forgotten with it.
     _done: weakref.WeakSet[object] = weakref.WeakSet()
 

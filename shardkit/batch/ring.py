@@ -167,7 +167,11 @@ class BatchRing:
         return out
 
     def busy(self) -> int:
-        """Slots in use now (written by a worker and not yet dropped by the training loop)."""
+        """Slots in use now.
+
+        Returns:
+            Slots a worker holds or wrote and the training loop has not dropped yet.
+        """
         return int(np.count_nonzero(self._flags))
 
 

@@ -62,7 +62,17 @@ def member_span(rows: ShardRows, pos: int, field: str, index: int) -> tuple[int,
 
 
 def member_name(rows: ShardRows, pos: int, index: int, field: str) -> str:
-    """A member named for error messages: its sample's key and index, and the field."""
+    """A member named for error messages.
+
+    Args:
+        rows: the shard's manifest rows.
+        pos: the sample's position in the shard.
+        index: the sample's global index.
+        field: the member.
+
+    Returns:
+        ``sample '<key>' (index <index>) field '<field>'``.
+    """
     return f"sample {rows.key(pos)!r} (index {index}) field {field!r}"
 
 
@@ -174,8 +184,8 @@ def read_rows(fetch: Fetch, hdr: NpyHeader, end: int, sel: int | slice) -> np.nd
         sel: a row or slice from :func:`select_rows`.
 
     Returns:
-        An array of its own (a few rows never keep larger fetched blocks alive), or for one
-        int row the row with the first axis dropped.
+        The rows, over bytes fetched for this call (copied out when a few rows would keep
+        much larger fetched blocks alive); for an int row, the row with the first axis dropped.
     """
     if hdr.fortran:
         # Fortran order: a row is strided through the whole array, so the whole array is read.

@@ -139,7 +139,7 @@ def open_source(ds: Dataset, topo: Topology, *, cache_dir: str | None, cache_lim
     # Kept maps pay off only if the files stay: a dataset bigger than the cache would
     # cycle through them, each kept map holding an evicted file's disk space.
     source.keep_maps = zero_copy and (sum(i.bytes for i in ds.shard_list) <= min(cache_limit, keep_maps_budget()))
-    # Landing fills (see landing) only where this process is the one reader of its shards:
+    # Landing fills (see cache.landing) only where this process is the one reader of its shards:
     # DataLoader workers take turns in every shard, and a shard one worker landed would be
     # read back from disk by the others, where a fill through the page cache serves them all.
     source.landing = landing and not zero_copy and topo.num_workers == 1

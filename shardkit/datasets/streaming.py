@@ -76,8 +76,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             workers then take turns in whole batches, so resume is exact.
         prefetch: shards (without a cache: ~64 MiB segments) fetched ahead of need per worker, at once;
             default 4 when the stream is read in one process (``num_workers=0``), else 2.
-        verify: check each shard against its manifest checksum as it is fetched (``False``
-            skips the hash, for data that is checked otherwise).
+        verify: check what is not known good against the manifest checksums: a cached shard
+            file without the cache's "verified" stamp is hashed again, and without a cache each
+            sample read is checked. ``False`` trusts a cached file of the right size and skips
+            the per-sample checks (downloads into the cache are checked either way).
         read_threads: threads that fill raw batches from the node cache ahead of the training
             loop when the stream is read in the process that owns it (DataLoader
             ``num_workers=0``, or plain iteration); ``0`` fills each batch when it is asked
@@ -98,8 +100,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             ``SHARDKIT_KEEP_MAPS`` bytes, default 16 GiB; ``0``: off), so later epochs take
             no page faults. A kept map of a file the cache evicts is dropped at once (an
             eviction by this process) or at this process's next shard open (by another).
-        rank: this process's rank (default: torch.distributed's, else the ``RANK`` variable, else 0).
-        world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``, else 1).
+        rank: this process's rank (default: torch.distributed's, else the ``RANK`` variable,
+            else 0; see :mod:`shardkit.read.topology`).
+        world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``,
+            else 1).
 
     Raises:
         ConfigError: a bad option (a number out of range, ``zero_copy`` without what it needs,
@@ -128,7 +132,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.url = self.ds.url
         self.cache_dir = checked_cache_dir(cache_dir)
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
-        # stream without a cache: they bound the manifest each worker holds (reader.Dataset).
+        # stream without a cache: they bound the manifest each worker holds (read.dataset.Dataset).
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         biggest = max(self.ds.shard_list, key=lambda i: i.bytes, default=None)

@@ -62,8 +62,10 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         epoch: epoch number; or call :meth:`set_epoch` (read when iteration starts).
         storage_options: fsspec options for the dataset URL.
         prefetch: shards downloaded ahead of the one being read.
-        rank: this process's rank (default: torch.distributed's, else the ``RANK`` variable, else 0).
-        world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``, else 1).
+        rank: this process's rank (default: torch.distributed's, else the ``RANK`` variable,
+            else 0; see :mod:`shardkit.read.topology`).
+        world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``,
+            else 1).
 
     Raises:
         ConfigError: no ``cache_dir``, or a number out of range.
@@ -149,7 +151,11 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             source.close()
 
     def __call__(self) -> Iterator[dict[str, Any]]:
-        """The stage as a WebDataset pipeline calls it: :meth:`__iter__`."""
+        """The stage as a WebDataset pipeline calls it.
+
+        Returns:
+            :meth:`__iter__`'s iterator.
+        """
         return iter(self)
 
 
