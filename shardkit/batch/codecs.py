@@ -14,19 +14,25 @@ from shardkit.read.decode import IMAGE_EXTS
 from shardkit.read.decode import decode_error as _failed
 from shardkit.read.decode import field_ext as _ext
 
+__all__ = ["CenterCrop"]
+
 
 class CenterCrop:
     """Decode the image field to a ``size`` x ``size`` x 3 uint8 array: resize the shorter side
     to ``resize`` (default ``size * 256 / 224``, the usual evaluation transform), then crop the centre.
 
     JPEGs are decoded at reduced scale when they are at least twice the resize target (PIL's
-    ``draft``: libjpeg scales during decode), which cuts decode time several-fold; when the
-    scaled decode lands on the target exactly, no resize runs at all. Picklable, so it can be
-    passed as ``decode=`` into DataLoader workers.
+    ``draft``: libjpeg scales during decode), which costs far less than a full-size decode;
+    when the scaled decode lands on the target exactly, no resize runs at all. Picklable, so
+    it can be passed as ``decode=`` into DataLoader workers. Class label fields (``cls``,
+    ``cls2``, ``index``, ``label``) come back as ints.
 
-    ``field``: the image field to decode (default: the sample's first image field).
-    ``as_field``: the name the pixels go under (default: the image field's own), so that a
-    dataset mixing ``.jpg`` and ``.png`` batches into one ``[B, size, size, 3]`` array.
+    Args:
+        size: the side of the square crop.
+        resize: the shorter side after resizing (default ``size * 256 / 224``).
+        field: the image field to decode (default: the sample's first image field).
+        as_field: the name the pixels go under (default: the image field's own), so that a
+            dataset mixing ``.jpg`` and ``.png`` batches into one ``[B, size, size, 3]`` array.
     """
 
     def __init__(self, size: int = 224, resize: int | None = None, field: str | None = None,
@@ -37,6 +43,18 @@ class CenterCrop:
         self.as_field = as_field
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """Decode and crop the image field of ``sample``.
+
+        Args:
+            sample: a raw sample dict.
+
+        Returns:
+            A new dict: the pixels as a ``(size, size, 3)`` uint8 array, labels as ints.
+
+        Raises:
+            ConfigError: the sample has no image field.
+            DecodeError: the image field is not a decodable image.
+        """
         from PIL import Image
 
         name = self.field or next((k for k in sample if _ext(k) in IMAGE_EXTS), None)

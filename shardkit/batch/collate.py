@@ -14,12 +14,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
-OFFSETS = ".offsets"
+__all__ = ["OFFSETS", "collate", "unpack"]
+
+OFFSETS = ".offsets"  # the suffix of a packed field's boundaries: ``<field>.offsets``
 
 
 def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Build one batch from sample dicts. A field that some samples lack stays a list, with
-    ``None`` for those samples (as in a zero-copy batch)."""
+    """Build one batch from sample dicts.
+
+    Raw bytes fields are packed (``<field>`` + ``<field>.offsets``); arrays of one shape are
+    stacked, ints become an int64 array, anything else stays a list. A field that some
+    samples lack stays a list, with ``None`` for those samples (as in a zero-copy batch).
+
+    Args:
+        samples: sample dicts, each with ``__key__`` and ``__index__``.
+
+    Returns:
+        The batch dict (``__shard__`` is dropped).
+    """
     batch: dict[str, Any] = {
         "__key__": [s["__key__"] for s in samples],
         "__index__": np.fromiter((s["__index__"] for s in samples), dtype=np.int64, count=len(samples)),
@@ -51,9 +63,19 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def unpack(batch: dict[str, Any], field: str) -> list[memoryview | None]:
-    """The per-sample bodies of a raw bytes field of a batch (views, no copies): packed
-    (``<field>`` + ``<field>.offsets``) or a list (a zero-copy batch, or a field some samples
-    lack: ``None`` for those samples)."""
+    """The per-sample bodies of a raw bytes field of a batch (views, no copies).
+
+    Args:
+        batch: a batch dict (numpy arrays or tensors).
+        field: a raw field, packed (``<field>`` + ``<field>.offsets``) or a list (a zero-copy
+            batch, or a field some samples lack).
+
+    Returns:
+        One memoryview per sample, ``None`` for a sample that lacks the field.
+
+    Raises:
+        KeyError: the batch has no such field.
+    """
     data = batch[field]
     if isinstance(data, list):
         return [None if v is None else memoryview(v).cast("B") for v in data]

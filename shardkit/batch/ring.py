@@ -3,7 +3,7 @@ reads them without a copy.
 
 A torch DataLoader moves a worker's batch to the main process by pickling it: each tensor is
 copied into a fresh shared-memory file, whose new pages the kernel zero-fills and faults in
-on both sides (PERF.md: ~1.3 GB/s here). A :class:`BatchRing` is one anonymous shared mapping
+on both sides (see benchmarks/RESULTS.md for what that costs). A :class:`BatchRing` is one anonymous shared mapping
 made by the main process before the workers fork, so every worker inherits it. Worker ``w``
 owns slots ``[w*k, (w+1)*k)``; it copies a batch straight from the (cached) shard into a free
 slot and sends a :class:`RingBatch` of a few hundred bytes: the slot, the field sizes and
@@ -30,6 +30,8 @@ import numpy as np
 
 from shardkit.errors import ConfigError
 
+__all__ = ["BatchRing", "RingBatch"]
+
 _FREE, _BUSY = 0, 1
 _ALIGN = 64  # each field starts on a cache line
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; not named by Python's mmap module before 3.13
@@ -46,6 +48,14 @@ class BatchRing:
 
     Make it in the main process before the DataLoader forks its workers; pages are only
     backed by memory once a batch is written to them.
+
+    Args:
+        workers: DataLoader workers (worker ``w`` owns its own slots).
+        slots_per_worker: batches each worker may have in flight in the ring.
+        slot_bytes: room per batch (rounded up to whole pages).
+
+    Raises:
+        ConfigError: a count or size below 1.
     """
 
     def __init__(self, workers: int, slots_per_worker: int, slot_bytes: int) -> None:
@@ -66,7 +76,15 @@ class BatchRing:
     # ---- worker side ----------------------------------------------------------------------
 
     def acquire(self, worker: int, wait: float = _WAIT) -> int | None:
-        """A free slot of ``worker`` (now marked busy), or None after ``wait`` seconds."""
+        """A free slot of ``worker``, now marked busy.
+
+        Args:
+            worker: the DataLoader worker id.
+            wait: seconds to wait for one of its slots to come free.
+
+        Returns:
+            The slot, or None when none came free within ``wait``.
+        """
         lo = (worker % self.workers) * self.per_worker
         flags = self._flags
         deadline = time.monotonic() + wait
@@ -80,7 +98,15 @@ class BatchRing:
             time.sleep(0.0005)
 
     def fields(self, slot: int, sizes: list[int]) -> list[np.ndarray] | None:
-        """Arrays of ``sizes`` bytes laid out in ``slot``, or None if they do not fit."""
+        """Arrays of ``sizes`` bytes laid out in ``slot``.
+
+        Args:
+            slot: a slot this process acquired.
+            sizes: bytes of each field.
+
+        Returns:
+            One uint8 array per field over the slot, or None if they do not fit in it.
+        """
         starts = self._starts(sizes)
         if starts[-1] > self.slot_bytes:
             return None
@@ -90,8 +116,8 @@ class BatchRing:
 
     def _map_in(self, slot: int, nbytes: int) -> None:
         # A forked worker starts without page-table entries for the ring: writing a batch
-        # would take one fault per 4 KiB page (40k per epoch for 20 MB batches). One
-        # MADV_POPULATE_WRITE call maps the range instead, once per slot and process.
+        # would take one fault per 4 KiB page. One MADV_POPULATE_WRITE call maps the range
+        # instead, once per slot and process.
         if self._mapped_pid != os.getpid():
             self._mapped, self._mapped_pid = {}, os.getpid()
         have = self._mapped.get(slot, 0)
@@ -105,12 +131,25 @@ class BatchRing:
         self._mapped[slot] = _up(nbytes, mmap.PAGESIZE)
 
     def release(self, slot: int) -> None:
+        """Mark ``slot`` free (its batch was dropped, or never sent).
+
+        Args:
+            slot: the slot.
+        """
         self._flags[slot] = _FREE
 
     def batch(self, slot: int, sizes: list[int], names: list[str], meta: dict[str, Any]) -> RingBatch:
-        """The descriptor a worker sends for the batch it wrote into ``slot``: fields
-        ``names`` of ``sizes`` bytes, and ``meta``, the rest of the batch dict (the fields'
-        own entries ``None``, for order)."""
+        """The descriptor a worker sends for the batch it wrote into ``slot``.
+
+        Args:
+            slot: the slot written.
+            sizes: bytes of each field.
+            names: the fields, in the order of ``sizes``.
+            meta: the rest of the batch dict (the fields' own entries ``None``, for order).
+
+        Returns:
+            A small picklable descriptor.
+        """
         return RingBatch(self.id, slot, sizes, names, meta)
 
     # ---- main side ------------------------------------------------------------------------
@@ -128,13 +167,21 @@ class BatchRing:
         return out
 
     def busy(self) -> int:
-        """Slots in use now (written by a worker and not yet dropped by the training loop)."""
+        """Slots in use now.
+
+        Returns:
+            Slots a worker holds or wrote and the training loop has not dropped yet.
+        """
         return int(np.count_nonzero(self._flags))
 
 
 @dataclass
 class RingBatch:
-    """A batch that sits in a ring slot. In the main process, :meth:`arrays` wraps it."""
+    """A batch that sits in a ring slot. In the main process, :meth:`arrays` wraps it.
+
+    Pickles as its fields; where it is unpickled (the main process), the slot is freed when
+    the descriptor, or the arrays made from it, are dropped.
+    """
 
     ring_id: str
     slot: int
@@ -147,12 +194,26 @@ class RingBatch:
         return _arrived, (self.ring_id, self.slot, self.sizes, self.names, self.meta)
 
     def to_dict(self) -> dict[str, Any]:
-        """The batch dict, its fields as uint8 arrays over the slot (see :meth:`arrays`)."""
+        """The batch dict, its fields as uint8 arrays over the slot (see :meth:`arrays`).
+
+        Returns:
+            The batch as the worker built it.
+
+        Raises:
+            ConfigError: the ring is gone (its loader was collected).
+        """
         arrays = self.arrays()
         return {k: arrays[k] if k in arrays else v for k, v in self.meta.items()}
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The batch's fields as arrays over the slot; the slot is freed when all are gone."""
+        """The batch's fields as arrays over the slot; the slot is freed when all are gone.
+
+        Returns:
+            One uint8 array per field name.
+
+        Raises:
+            ConfigError: the ring is gone (its loader was collected).
+        """
         ring = _RINGS.get(self.ring_id)
         if ring is None:
             raise ConfigError(f"ring batch {self.ring_id}/{self.slot}: its loader is gone")

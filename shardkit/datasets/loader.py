@@ -15,16 +15,27 @@ import numpy as np
 from torch.utils.data import DataLoader, default_convert
 
 from shardkit.batch.buffers import BufferPool
-from shardkit.config import int_arg
-from shardkit.datasets.streaming import StreamingDataset, _to_torch
-from shardkit.errors import ConfigError
 from shardkit.batch.ring import BatchRing, RingBatch
+from shardkit.config import int_arg
+from shardkit.datasets.streaming import StreamingDataset
+from shardkit.datasets.tensors import pinned_buffer, to_torch
+from shardkit.errors import ConfigError
+
+__all__ = ["MAX_RING_SLOT", "StreamingDataLoader"]
 
 MAX_RING_SLOT = 256 << 20  # bigger batches (huge samples) are not worth parking in shared memory
 
 
 class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
     """A :class:`torch.utils.data.DataLoader` over a :class:`StreamingDataset` with resume.
+
+    For raw bytes, ``num_workers=0`` is often the fastest: the dataset then fills batches
+    with its own read threads (``StreamingDataset(read_threads=2)``), or hands out views of
+    the cache files with no copy at all (``StreamingDataset(zero_copy=True)``, which needs
+    ``num_workers=0``). Workers pay off for decoding and other per-sample Python work.
+
+    ``state_dict()`` is ``dataset.state_dict(consumed=<samples yielded by this loader this
+    epoch>)``; call it between steps and save it with the model. ``load_state_dict`` forwards.
 
     Args:
         dataset: the stream.
@@ -39,13 +50,10 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         **kwargs: any other DataLoader argument (``num_workers``, ``pin_memory``,
             ``persistent_workers``, ``collate_fn``, ...).
 
-    For raw bytes, ``num_workers=0`` is often the fastest: the dataset then fills batches
-    with its own read threads (``StreamingDataset(read_threads=2)``), or hands out views of
-    the cache files with no copy at all (``StreamingDataset(zero_copy=True)``, which needs
-    ``num_workers=0``). Workers pay off for decoding and other per-sample Python work.
-
-    ``state_dict()`` is ``dataset.state_dict(consumed=<samples yielded by this loader this
-    epoch>)``; call it between steps and save it with the model. ``load_state_dict`` forwards.
+    Raises:
+        ConfigError: ``dataset`` is not a StreamingDataset, a bad ``handoff`` or
+            ``batch_size``, ``zero_copy`` with workers, or ``handoff="ring"`` where the ring
+            cannot be used (the message says why).
     """
 
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = None, *, handoff: str = "auto",
@@ -69,7 +77,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         kwargs.setdefault("shuffle", None)  # order comes from the dataset
         if dataset.batch_size is not None:
             # The dataset's batches are already tensors: DataLoader's default_convert would only
-            # walk every key of every batch again (~2 ms per batch of 256).
+            # walk every key of every batch again.
             kwargs.setdefault("collate_fn", _as_is)
         elif batch_size is None:
             # Single samples: decoded arrays may be read-only views of the mapped cache file,
@@ -85,7 +93,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         self._use_ring = handoff != "copy" and not why_not
         self._ring: BatchRing | None = None
         self._ring_clean = False  # the last epoch ran to its end: its workers are gone
-        self._pool = BufferPool(pin=True) if bool(self.pin_memory) and _cuda_available() else None
+        self._pool = BufferPool(allocate=pinned_buffer) if bool(self.pin_memory) and _cuda_available() else None
         self._consumed = 0
         self._per_batch = batch_size or dataset.batch_size or 1
         # Unbatched (no batch_size anywhere): every item is one sample, whatever it holds
@@ -116,6 +124,12 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         return ""
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """This rank's batches (or samples) of the epoch, counting what the loop receives.
+
+        Yields:
+            Batches as the DataLoader makes them; ring batches arrive as dicts of tensors
+            (copied into pinned memory with ``pin_memory`` and CUDA).
+        """
         self._consumed = 0
         # torch remembers the length of the last len(loader) call and warns when an epoch
         # yields more; after a resumed (shorter) epoch that is every later epoch's every batch.
@@ -150,7 +164,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
                 pinned = self._pool.take(batch[name].nbytes)
                 pinned[:] = batch[name]
                 batch[name] = pinned
-        return _to_torch(batch)
+        return to_torch(batch)
 
     @property
     def consumed(self) -> int:
@@ -158,19 +172,30 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         return self._consumed
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataset's resumable state at the samples this loader has yielded."""
+        """The dataset's resumable state at the samples this loader has yielded.
+
+        Returns:
+            See :meth:`StreamingDataset.state_dict <shardkit.datasets.streaming.StreamingDataset.state_dict>`.
+        """
         return self.dataset.state_dict(consumed=self._consumed)  # type: ignore[attr-defined]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a stopped epoch (any world size or worker count)."""
+        """Continue a stopped epoch (any world size or worker count).
+
+        Args:
+            state: a dict :meth:`state_dict` returned.
+
+        Raises:
+            ConfigError: the state does not fit this dataset (see
+                :meth:`StreamingDataset.load_state_dict <shardkit.datasets.streaming.StreamingDataset.load_state_dict>`).
+        """
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
         self._consumed = 0
 
 
 # Rings of loaders that are gone (and whose workers are gone), for the next loader in this
-# process: fresh shared memory costs the kernel a zero-filled page per 4 KiB (~1.3 GB/s here),
-# about 0.1 s for a ring of 20 MB batches, which a loader made per epoch or per evaluation
-# would otherwise pay every time.
+# process: fresh shared memory costs the kernel a zero-filled page per 4 KiB, which a loader
+# made per epoch or per evaluation would otherwise pay for its whole ring every time.
 _SPARE_RINGS: list[BatchRing] = []
 _KEEP_SPARE = 2
 

@@ -34,16 +34,17 @@ import os
 from typing import Any, Iterator
 
 from shardkit.cache.shard_cache import ShardCache
-from shardkit.errors import NoRoomError
 from shardkit.config import int_arg, parse_size, room_wait
 from shardkit.datasets.epoch_control import ControlDir
-from shardkit.errors import ConfigError
+from shardkit.errors import ConfigError, NoRoomError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 from shardkit.read.dataset import Dataset
 from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
 from shardkit.read.topology import FromParent, current
 
-try:
+__all__ = ["MEM_SCHEME", "wds_shards"]
+
+try:  # torch is optional: without it the stage is a plain iterable
     from torch.utils.data import IterableDataset as _IterableBase
 except ImportError:  # pragma: no cover - exercised only without torch
     _IterableBase = object  # type: ignore[misc,assignment]
@@ -61,7 +62,14 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         epoch: epoch number; or call :meth:`set_epoch` (read when iteration starts).
         storage_options: fsspec options for the dataset URL.
         prefetch: shards downloaded ahead of the one being read.
-        rank, world_size: override the topology (default: torch.distributed or env).
+        rank: this process's rank (default: torch.distributed's, else the ``RANK`` variable,
+            else 0; see :mod:`shardkit.read.topology`).
+        world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``,
+            else 1).
+
+    Raises:
+        ConfigError: no ``cache_dir``, or a number out of range.
+        DatasetNotFoundError: nothing is at ``url``.
     """
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str], cache_limit: int | str = "200GB", *,
@@ -82,12 +90,24 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         self._control.write({"epoch": self.epoch})
 
     def set_epoch(self, epoch: int) -> None:
-        """Read the shards of ``epoch`` from the next iteration on (also in persistent workers)."""
+        """Read the shards of ``epoch`` from the next iteration on (also in persistent workers).
+
+        Args:
+            epoch: the epoch number (0 to 2**32 - 1); it seeds the epoch's shuffle.
+
+        Raises:
+            ConfigError: ``epoch`` is not an int in range.
+        """
         self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
         self._control.write({"epoch": self.epoch})
 
     def shards(self) -> list[int]:
-        """Shard ids this rank/worker reads this epoch, in order."""
+        """Shard ids this rank/worker reads this epoch, in order.
+
+        Returns:
+            Every ``world_size x num_workers``-th shard of the epoch's order, from this
+            reader's place on (empty shards left out).
+        """
         topo = current(self.rank, self.world_size, self._parent)
         epoch = int((self._control.read() or {}).get("epoch", self.epoch))
         order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -97,6 +117,16 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         return [int(s) for s in order.shard_order[me::readers] if self.ds.shard_list[int(s)].num_samples]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """This reader's shards, each cached, verified and pinned until the next is asked for.
+
+        Yields:
+            ``{"url": <local path>, "__shard__": <shard path in the dataset>}``; a shard read
+            around a full cache comes as a ``shardkit-mem://`` URL (see the module docstring).
+
+        Raises:
+            IntegrityError: a shard fails its checksum even after a fresh fetch.
+            StorageError: reading from storage failed.
+        """
         mine = self.shards()
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
                            room_wait=room_wait())
@@ -121,10 +151,15 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             source.close()
 
     def __call__(self) -> Iterator[dict[str, Any]]:
+        """The stage as a WebDataset pipeline calls it.
+
+        Returns:
+            :meth:`__iter__`'s iterator.
+        """
         return iter(self)
 
 
-MEM_SCHEME = "shardkit-mem"
+MEM_SCHEME = "shardkit-mem"  # the gopen scheme of shards read around a full cache
 _IN_MEMORY: dict[str, memoryview] = {}  # shards read around a full cache, until gopen takes them
 _numbers = itertools.count()
 

@@ -68,23 +68,23 @@ def test_row_slice_moves_about_the_slice(big: Any) -> None:
     ds = shardkit.ShardDataset(url, storage_options=opts, part_size="16MB", concurrency=8)
     hdr = ds.npy_header(i)
     assert hdr.shape == SHAPE and hdr.dtype == np.float32 and not hdr.fortran
-    before = ds.stats()["bytes"]
+    before = ds.stats()["bytes_fetched"]
     got = ds.read_array(i, rows=slice(1000, 1300))  # ~39 MB: three parallel parts
-    moved = ds.stats()["bytes"] - before
+    moved = ds.stats()["bytes_fetched"] - before
     np.testing.assert_array_equal(got, _rows(1000, 1300))
     assert 300 * ROW_BYTES <= moved <= 300 * ROW_BYTES + 2 * BLOCK, moved
-    before = ds.stats()["bytes"]
+    before = ds.stats()["bytes_fetched"]
     one = ds.read_array(i, rows=7)  # header cached: the one or two blocks holding the row move
-    assert ROW_BYTES < ds.stats()["bytes"] - before <= 2 * BLOCK
+    assert ROW_BYTES < ds.stats()["bytes_fetched"] - before <= 2 * BLOCK
     np.testing.assert_array_equal(one, _rows(7, 8)[0])
     strided = ds.read_array(i, rows=slice(10, 20, 3))
     np.testing.assert_array_equal(strided, _rows(10, 20)[::3])
     for far in (slice(0, 2400, 800), slice(2000, 99, -950)):  # rows ~100 MB apart: each read alone
-        before = ds.stats()["bytes"]
+        before = ds.stats()["bytes_fetched"]
         got = ds.read_array(i, rows=far)
         picked = range(*far.indices(SHAPE[0]))
         np.testing.assert_array_equal(got, np.stack([_rows(r, r + 1)[0] for r in picked]))
-        assert ds.stats()["bytes"] - before <= len(picked) * 2 * BLOCK  # was the ~200 MB between them
+        assert ds.stats()["bytes_fetched"] - before <= len(picked) * 2 * BLOCK  # was the ~200 MB between them
     with pytest.raises(IndexError, match="row 2400 out of range for 2400 rows"):
         ds.read_array(i, rows=2400)
 
@@ -99,7 +99,7 @@ def test_whole_sample_parallel_get_is_exact(big: Any) -> None:
         np.testing.assert_array_equal(arr[a:a + 1], _rows(a, a + 1))
     st = ds.stats()
     assert st["requests"] >= 18  # 300 MB in 16 MB parts
-    assert np.prod(SHAPE) * 4 <= st["bytes"] <= np.prod(SHAPE) * 4 + 4096
+    assert np.prod(SHAPE) * 4 <= st["bytes_fetched"] <= np.prod(SHAPE) * 4 + 4096
 
 
 _CHILD = textwrap.dedent("""
@@ -123,7 +123,7 @@ _CHILD = textwrap.dedent("""
     total = float(part.sum())
     s = ds[i]                                                # whole sample, zero-copy
     total += float(s["npy"][2000:2050].sum())
-    print(json.dumps({"base": base, "peak": hwm(), "bytes": ds.stats()["bytes"],
+    print(json.dumps({"base": base, "peak": hwm(), "bytes": ds.stats()["bytes_fetched"],
                       "writeable": bool(s["npy"].flags.writeable), "sum": total}))
 """)
 

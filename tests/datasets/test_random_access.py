@@ -86,7 +86,7 @@ def test_random_access_returns_packed_bytes(packed: Any) -> None:
     # one ranged GET per sample: only sample bytes moved, never whole shards
     total = sum(int(b) for b in ds.ds.shards.column("bytes").to_numpy())
     assert ds.stats()["requests"] == len(items) + 1
-    assert ds.stats()["bytes"] < total
+    assert ds.stats()["bytes_fetched"] < total
     with pytest.raises(IndexError, match="out of range"):
         ds[len(items)]
 
@@ -166,7 +166,7 @@ def test_cached_shards_give_zero_copy_readonly_arrays(packed: Any, tmp_path: Any
     warm = shardkit.ShardDataset(url, cache_dir=tmp_path, storage_options=opts, cache_shards=True)
     assert warm[5]["__key__"] == items[5]["__key__"]  # downloads shard of sample 5 into the cache
     shard_bytes = shardkit.open_dataset(url, storage_options=opts).shard_list[warm.locate(5)[0]].bytes
-    assert warm.stats() == {"bytes": shard_bytes, "requests": 1}  # one GET of the whole shard, counted
+    assert warm.stats() == {"bytes_fetched": shard_bytes, "requests": 1}  # one GET of the whole shard, counted
     warm.close()
     ds = shardkit.ShardDataset(url, cache_dir=tmp_path, storage_options=opts, decode="numpy")
     s = ds[5]
@@ -175,10 +175,10 @@ def test_cached_shards_give_zero_copy_readonly_arrays(packed: Any, tmp_path: Any
     part = ds.read_array(5, "fort.npy", rows=slice(2, 5))
     np.testing.assert_array_equal(part, items[5]["fort.npy"][2:5])
     assert not part.flags.writeable
-    assert ds.stats()["bytes"] == 0  # nothing came from storage
+    assert ds.stats()["bytes_fetched"] == 0  # nothing came from storage
     far = len(items) - 2  # a shard not in the cache: read by range, not downloaded
     assert ds[far]["__key__"] == items[far]["__key__"]
-    assert 0 < ds.stats()["bytes"] < 12_000
+    assert 0 < ds.stats()["bytes_fetched"] < 12_000
     ds.close()
 
 
@@ -193,7 +193,7 @@ def test_read_array_gives_the_stored_dtype_from_storage_and_cache(packed: Any, t
             want = items[i]["npy"] if rows is None else items[i]["npy"][rows]
             assert got.dtype == np.dtype(">i4"), (ds.cache_dir, rows)  # as np.load gives it
             np.testing.assert_array_equal(got, want)
-    assert warm.stats()["bytes"] > 0 and warm.read_array(i, "npy").base is not None  # zero-copy from the cache
+    assert warm.stats()["bytes_fetched"] > 0 and warm.read_array(i, "npy").base is not None  # zero-copy from the cache
     cold.close()
     warm.close()
 
@@ -253,7 +253,7 @@ def test_partial_reads_of_big_samples_check_only_the_blocks_they_fetch(s3_server
     ds = shardkit.ShardDataset(url, storage_options=opts)
     got = ds.read_array(1, "npy", rows=TWO_ROWS)
     np.testing.assert_array_equal(got, items[1]["npy"][TWO_ROWS])
-    moved = ds.stats()["bytes"]  # the header's block, and the block holding the two rows
+    moved = ds.stats()["bytes_fetched"]  # the header's block, and the block holding the two rows
     assert 2 * ROW < moved <= 2 * BLOCK_BYTES, moved
     shard_path = ds.ds.shard_list[0].path
     _flip_byte(s3_server, url, shard_path, _row_at(ds, 1, 90))  # block 2 of "big"
@@ -291,9 +291,9 @@ def test_manifests_without_block_checksums_still_read_and_check_whole_arrays(s3_
     _flip_byte(s3_server, url, ds.ds.shard_list[0].path, _row_at(ds, 1, 90))
     fresh = shardkit.ShardDataset(url, storage_options=opts)
     np.testing.assert_array_equal(fresh.read_array(1, "npy", rows=TWO_ROWS), items[1]["npy"][TWO_ROWS])
-    before = fresh.stats()["bytes"]
+    before = fresh.stats()["bytes_fetched"]
     fresh.read_array(1, "npy", rows=90)  # unchecked, as documented: exactly the row's bytes move
-    assert fresh.stats()["bytes"] - before == ROW
+    assert fresh.stats()["bytes_fetched"] - before == ROW
     with pytest.raises(IntegrityError, match=r"'big' \(index 1\).*fails its checksum"):
         fresh.read_array(1, "npy")
     with pytest.raises(IntegrityError, match=r"'big' \(index 1\).*fails its checksum"):

@@ -16,7 +16,7 @@ from randomds import pack_random
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batch.collate import unpack
 from shardkit.errors import ConfigError, IntegrityError
-from shardkit.batch.raw import read_members
+from shardkit.batch.copying import read_members
 
 N = 500
 

@@ -480,7 +480,7 @@ def test_a_repack_at_the_same_url_and_size_gets_its_own_cache_namespace(tmp_path
 def test_a_cache_too_small_for_what_a_reader_reads_at_once_is_warned_about_once(
         local_ds: tuple[str, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    from shardkit.datasets import streaming as dataset
+    from shardkit.datasets import source_setup as dataset
 
     url, content = local_ds
     monkeypatch.setattr(dataset, "_warned_small_cache", False)

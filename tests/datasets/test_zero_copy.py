@@ -143,9 +143,9 @@ def test_map_warmer_maps_pages_in_on_its_own_thread(tmp_path: Path) -> None:
     import mmap
     import threading
 
-    from shardkit.batch.raw import MapWarmer
+    from shardkit.batch.map_warmer import MapWarmer
 
-    class FakeHeld:  # what the warmer uses of a shardio.Held
+    class FakeHeld:  # what the warmer uses of a read.shard_source.Held
         def __init__(self, array: np.ndarray, mapped: object) -> None:
             self.array, self.mapped = array, mapped
 

@@ -8,18 +8,18 @@ a zip, so their (decompressed) bytes are exactly what ``np.save`` would write.
 
 from __future__ import annotations
 
-import ast
 import functools
 import io
 import os
 import warnings
 import zipfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 
-from shardkit.format.streams import CHUNK_BYTES, iter_exact, read_exact
+from shardkit.format.npy import parse_npy_header
+from shardkit.format.streams import CHUNK_BYTES, iter_exact
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
 from shardkit.packing.sources.base import SourceItem, item_bytes
@@ -30,10 +30,6 @@ except ImportError:  # pragma: no cover - numpy 1.x
     from numpy.lib import format as _npformat  # type: ignore[no-redef]
 
 #: Largest piece a streamed field yields, and the size above which a member streams.
-
-_MAGIC = b"\x93NUMPY"
-# A header this large is not something np.save writes; refuse instead of reading it.
-_MAX_HEADER = 1 << 20
 
 PathLike = Union[str, os.PathLike]
 
@@ -70,54 +66,6 @@ def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
                 buf = io.BytesIO()
                 np.lib.format.write_array_header_2_0(buf, header)
     return buf.getvalue()
-
-
-def parse_npy_header(fp: IO[bytes], *, name: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
-    """Read and validate a ``.npy`` header from ``fp`` (positioned at its start).
-
-    Returns ``(dtype, shape, fortran_order, header_len)``; reads only the header.
-
-    Raises:
-        SourceError: naming ``name`` if the magic, version or header dict is bad, or the dtype
-            holds Python objects (pickled payloads are refused).
-    """
-    magic = read_exact(fp, 8)
-    if len(magic) < 8 or magic[:6] != _MAGIC:
-        raise SourceError(f"{name}: not a .npy file (bad magic)")
-    major = magic[6]
-    if major == 1:
-        len_bytes = read_exact(fp, 2)
-        prefix = 10
-    elif major in (2, 3):
-        len_bytes = read_exact(fp, 4)
-        prefix = 12
-    else:
-        raise SourceError(f"{name}: unsupported .npy format version {major}.{magic[7]}")
-    if len(len_bytes) < prefix - 8:
-        raise SourceError(f"{name}: truncated .npy header")
-    hlen = int.from_bytes(len_bytes, "little")
-    if hlen > _MAX_HEADER:
-        raise SourceError(f"{name}: .npy header of {hlen} bytes is implausibly large")
-    raw = read_exact(fp, hlen)
-    if len(raw) < hlen:
-        raise SourceError(f"{name}: truncated .npy header")
-    try:
-        text = raw.decode("utf8" if major == 3 else "latin1")
-        d = ast.literal_eval(text)
-        if not isinstance(d, dict) or set(d) != {"descr", "fortran_order", "shape"}:
-            raise ValueError("header keys")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dtype = np.lib.format.descr_to_dtype(d["descr"])
-        shape = tuple(int(n) for n in d["shape"])
-        fortran = bool(d["fortran_order"])
-        if any(n < 0 for n in shape):
-            raise ValueError("negative dimension")
-    except (ValueError, SyntaxError, TypeError, UnicodeDecodeError, MemoryError) as exc:
-        raise SourceError(f"{name}: bad .npy header: {exc}") from exc
-    if dtype.hasobject:
-        raise SourceError(f"{name}: .npy holds pickled Python objects (dtype {dtype}); refused")
-    return dtype, shape, fortran, prefix + hlen
 
 
 def _data_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
