@@ -13,9 +13,8 @@ from typing import Any, Callable
 import numpy as np
 
 from shardkit.errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
+from shardkit.format.fields import IMAGE_EXTS, TEXT_EXTS
 
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
-TEXT_EXTS = frozenset({"txt", "text", "transcript"})
 META_KEYS = ("__key__", "__index__", "__shard__")
 
 Decoder = Callable[[dict[str, Any]], Any]

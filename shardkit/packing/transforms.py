@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from shardkit.errors import ConfigError, SourceError
+from shardkit.format.fields import PACK_IMAGE_EXTS
 from shardkit.packing.sample import PackSample, StreamedField
 
-IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif"})
+IMAGE_FIELDS = PACK_IMAGE_EXTS  # the fields a transform re-encodes
 _FORMATS = {"jpeg": ("JPEG", "jpg"), "jpg": ("JPEG", "jpg"), "webp": ("WEBP", "webp"), "png": ("PNG", "png")}
 
 

@@ -16,8 +16,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from shardkit.batch.codecs import IMAGE_EXTS
 from shardkit.errors import SourceError, SourceNotFoundError
+from shardkit.format.fields import IMAGE_EXTS, PACK_IMAGE_EXTS
 from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 STREAM_THRESHOLD = 16 * 2**20
 _CHUNK = 8 * 2**20
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+IMAGE_SUFFIXES = frozenset(f".{ext}" for ext in PACK_IMAGE_EXTS)  # what an ImageFolder packs
 
 
 def _walk_in_order(root: str, entry: Callable[[str], str | None],
