@@ -16,8 +16,7 @@ import pyarrow.parquet as pq
 
 from shardkit.format.checksums import BLOCK_BYTES, BLOCK_BYTES_KEY
 from shardkit.errors import ManifestError
-from shardkit.format.manifest import SAMPLE_COLUMNS, SHARD_CHECKSUMS_KEY, meta_array, row_groups_of, sample_batch
-from shardkit.storage.store import Store
+from shardkit.format.manifest import SAMPLE_COLUMNS, SHARD_CHECKSUMS_KEY, meta_array, sample_batch
 from shardkit.format.rows import PIECE_ROWS, SampleRows, ShardRecord
 
 
@@ -182,12 +181,6 @@ class FragmentBuilder:
         options = None if column is None else pa.ipc.IpcReadOptions(included_fields=[column])
         return pa.ipc.open_stream(self._pieces[index], options=options).read_next_batch()
 
-    def write(self, store: Store, name: str, extra_metadata: dict[str, str] | None = None) -> list[int]:
-        """Store the fragment as ``name``; the row-group index of each shard (-1: empty)."""
-        data = self.to_bytes(extra_metadata)
-        store.put_bytes(name, data)
-        return row_groups_of(data, self.shards)
-
 
 class _Piece:
     """Rows as a compressed Arrow IPC stream, and the types its metadata columns took."""
@@ -230,12 +223,20 @@ def _concat(arrays: list[pa.Array]) -> pa.Array:
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
-def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[ShardRecord],
-                   extra_metadata: dict[str, str] | None = None) -> list[int]:
-    """Write one samples fragment with one row group per shard (in shard order).
+def build_fragment(name: str, rows: SampleRows, shards: Sequence[ShardRecord]) -> FragmentBuilder:
+    """A fragment of ``rows`` with one row group per shard (in shard order), ready to write.
 
-    Returns the row-group index of each shard in ``shards``. ``extra_metadata`` lands in the
-    Parquet key-value metadata (pack uses it to record the shards a task completed).
+    Args:
+        name: the fragment's name, for error messages.
+        rows: every shard's rows, in shard order.
+        shards: the shards the rows belong to, in order; ``num_samples`` rows each.
+
+    Returns:
+        The builder: :meth:`FragmentBuilder.to_bytes` gives the fragment (with any extra
+        Parquet key-value metadata), :func:`~shardkit.format.manifest.row_groups_of` its row groups.
+
+    Raises:
+        ManifestError: naming the fragment, when the rows do not follow the shards.
     """
     builder = FragmentBuilder()
     start = 0
@@ -248,4 +249,4 @@ def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[S
         except ManifestError as exc:
             raise ManifestError(f"fragment {name}: {exc}") from None
         start = stop
-    return builder.write(store, name, extra_metadata)
+    return builder

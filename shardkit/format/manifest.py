@@ -160,10 +160,18 @@ def shards_table(records: Sequence[ShardRecord], samples_files: Sequence[str], r
     return pa.table(cols, schema=SHARD_SCHEMA)
 
 
-def write_shards_table(store: Store, table: pa.Table) -> None:
+def shards_table_bytes(table: pa.Table) -> bytes:
+    """The bytes of ``manifest/shards.parquet`` holding ``table`` (zstd-compressed Parquet).
+
+    Args:
+        table: rows from :func:`shards_table`.
+
+    Returns:
+        The Parquet file's bytes, ready to store as :data:`SHARDS_PARQUET`.
+    """
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    store.put_bytes(SHARDS_PARQUET, buf.getvalue())
+    return buf.getvalue()
 
 
 def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any],
@@ -186,9 +194,16 @@ def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any]
     return info
 
 
-def commit(store: Store, info: dict[str, Any]) -> None:
-    """Write dataset.json create-only: exactly one of two racing packs commits."""
-    store.put_create(DATASET_JSON, json.dumps(info, indent=2, sort_keys=True).encode())
+def dataset_json_bytes(info: dict[str, Any]) -> bytes:
+    """The bytes of ``dataset.json`` for ``info`` (sorted keys, indented: stable and readable).
+
+    Args:
+        info: the dataset's description, from :func:`dataset_info`.
+
+    Returns:
+        UTF-8 JSON, ready to store (create-only) as :data:`DATASET_JSON`.
+    """
+    return json.dumps(info, indent=2, sort_keys=True).encode()
 
 
 def read_info(store: Store) -> dict[str, Any]:

@@ -32,9 +32,9 @@ import xxhash
 from shardkit.format.checksums import SampleHasher
 from shardkit.errors import DatasetExistsError, SourceError, UnsafeTarError
 from shardkit.packing.key_ledger import KeyLedger
-from shardkit.format.fragments import write_fragment
-from shardkit.format.manifest import (DATASET_JSON, SHARDS_PARQUET, commit, dataset_info, fragment_name, parquet_file, shards_table,
-                       write_shards_table)
+from shardkit.format.fragments import build_fragment
+from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_info, fragment_name, parquet_file, shards_table
+from shardkit.packing.commit import put_dataset_json, put_fragment, put_shards_table
 from shardkit.packing.progress import Progress
 from shardkit.packing.sample import case_clash_reason
 from shardkit.storage.store import Store, attempts_for, is_transient, pause_before_retry, translate
@@ -407,7 +407,7 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
             raise SourceError(f"the tars at {store.url} hold no samples")
         _refuse_repeated_keys(store, keys, records, files, groups)
         table = shards_table(records, files, groups)
-        write_shards_table(store, table)
+        put_shards_table(store, table)
         passed = sum(n for _, n, _ in skipped)
         if skipped:
             log.warning("skipped %d members in %d tars that the webdataset library skips too (no dot in the name, "
@@ -418,7 +418,7 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
                   for rel, n, first in skipped]
         info = dataset_info(table, sorted(fields), {"type": "index", "path": store.url, "tars": len(tars)}, None,
                             listed, {"index": {"tars": len(records), "skipped_members": passed}})
-        commit(store, info)
+        put_dataset_json(store, info)
     except BaseException:
         # Only what this run wrote (manifest/ was empty or cleared when it started): its
         # fragments, the one it may have been writing, and shards.parquet.
@@ -451,7 +451,7 @@ def _refuse_foreign_manifest(store: Store) -> None:
 def _flush(store: Store, number: int, rows: SampleRows, pending: list[ShardRecord], records: list[ShardRecord],
            files: list[str], groups: list[int]) -> None:
     name = fragment_name(number)
-    row_groups = write_fragment(store, name, rows, pending)
+    row_groups = put_fragment(store, name, build_fragment(name, rows, pending))
     records.extend(pending)
     files.extend(name for _ in pending)
     groups.extend(row_groups)

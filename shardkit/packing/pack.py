@@ -23,17 +23,8 @@ from shardkit.packing.claim import CLAIM, Claim
 from shardkit.config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from shardkit.errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from shardkit.format.fragments import FragmentBuilder
-from shardkit.format.manifest import (
-    DATASET_JSON,
-    SHARDS_PARQUET,
-    commit,
-    dataset_info,
-    fragment_name,
-    parquet_file,
-    read_info,
-    shards_table,
-    write_shards_table,
-)
+from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_info, fragment_name, parquet_file, read_info, shards_table
+from shardkit.packing.commit import put_dataset_json, put_fragment, put_shards_table
 from shardkit.packing.plan import PackPlan, TaskPlan, make_plan
 from shardkit.packing.progress import Progress
 from shardkit.packing.sample import PackSample
@@ -165,7 +156,7 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
     meta = {_TASK_META: json.dumps(summary)}
 
     def write() -> None:
-        result.row_groups = fragment.write(store, frag, meta)
+        result.row_groups = put_fragment(store, frag, fragment, meta)
 
     up.submit(write)
     return result
@@ -532,7 +523,7 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
             builder, result = building, close_fragment()
 
             def write() -> None:  # after the fragment's shards (the uploader keeps the order)
-                result.row_groups = builder.write(store, result.fragment)
+                result.row_groups = put_fragment(store, result.fragment, builder)
 
             writer.submit(write)
 
@@ -549,7 +540,7 @@ def _pack_iterable_claimed(items: Iterable[dict[str, Any]], store: Store, opts: 
         raise SourceError("source iterable is empty")
     if building.shards:  # every shard is stored by now (the writer closed): write the last fragment here
         builder, result = building, close_fragment()
-        result.row_groups = builder.write(store, result.fragment)
+        result.row_groups = put_fragment(store, result.fragment, builder)
     # (Every skip is in a result now: the last shard closed, and with it any open fragment,
     # once the iterable was exhausted.)
     return _commit(store, {"type": "iterable"}, None, results, started, "local", opts, claim)
@@ -568,12 +559,12 @@ def _commit(store: Store, source_desc: dict[str, Any], labels: dict[str, int] | 
         raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
     _sweep_strays(store, results)
     _abort_uploads(store)
-    write_shards_table(store, table)
+    put_shards_table(store, table)
     fields = sorted({f for res in results for f in res.fields})
     skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]
     info = dataset_info(table, fields, source_desc, labels, skipped,
                         {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
-    commit(store, info)
+    put_dataset_json(store, info)
     claim.release(ended=False)  # stop the heartbeat first: a late refresh would recreate the claim
     store.remove("_pack", recursive=True)
     elapsed = time.monotonic() - started
