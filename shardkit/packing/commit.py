@@ -1,67 +1,73 @@
-"""Writing a dataset's manifest to storage: fragments, ``shards.parquet``, then ``dataset.json``.
+"""The end of a pack: its tasks' results become ``shards.parquet``, then ``dataset.json``.
 
-:mod:`shardkit.format` builds the bytes; this module stores them. ``dataset.json`` is written
-last and create-only, so a dataset is visible only once complete, and of two packs racing to
-commit at one destination exactly one succeeds.
+Only the driver commits, once every task is done: it checks its claim is still its own,
+sweeps what is not part of this pack from shards/ and manifest/, writes ``shards.parquet``
+and then ``dataset.json`` create-only, and removes its claim.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
-import pyarrow as pa
-
-from shardkit.format.fragments import FragmentBuilder
-from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_json_bytes, row_groups_of, shards_table_bytes
+from shardkit.errors import DatasetExistsError
+from shardkit.format.manifest import DATASET_JSON, dataset_info, shards_table
+from shardkit.packing.claim import Claim
+from shardkit.packing.destination import abort_uploads, sweep_strays
+from shardkit.packing.manifest_writer import put_dataset_json, put_shards_table
+from shardkit.packing.task import PackOptions, TaskResult
 from shardkit.storage.store import Store
 
-__all__ = ["put_dataset_json", "put_fragment", "put_shards_table"]
+__all__ = ["commit_pack"]
+
+log = logging.getLogger(__name__)
 
 
-def put_fragment(store: Store, name: str, builder: FragmentBuilder,
-                 extra_metadata: dict[str, str] | None = None) -> list[int]:
-    """Store the samples fragment ``builder`` holds as ``name``.
+def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source: dict[str, Any],
+                labels: dict[str, int] | None, started: float, engine: str, opts: PackOptions,
+                listing_skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """Commit a pack whose every task is done, and release its claim.
 
     Args:
-        store: the dataset root.
-        name: the fragment's path under the root (``manifest/samples-NNNNN.parquet``).
-        builder: the fragment's shards and rows.
-        extra_metadata: Parquet key-value metadata to add (a pack records there the shards
-            its task completed).
+        store: the destination.
+        claim: this pack's claim, held.
+        results: every task's result, in plan order (their fragments are stored).
+        source: the source's description for dataset.json.
+        labels: class name -> index, if the source has classes.
+        started: ``time.monotonic()`` when the pack started.
+        engine: the engine's name, recorded in dataset.json.
+        opts: the pack's options.
+        listing_skipped: inputs the source left out while listing (``on_error="skip"``).
 
     Returns:
-        The row-group index of each of the builder's shards (-1 for an empty shard).
+        The dataset.json content, with ``elapsed_seconds``, ``reused_tasks`` and ``tasks``.
 
     Raises:
-        StorageError: the write failed.
+        DatasetExistsError: another pack took the destination over, or committed there first.
+        ManifestError: the shard numbers are not 0..n-1.
+        StorageError: a write failed.
     """
-    data = builder.to_bytes(extra_metadata)
-    store.put_bytes(name, data)
-    return row_groups_of(data, builder.shards)
-
-
-def put_shards_table(store: Store, table: pa.Table) -> None:
-    """Store ``manifest/shards.parquet``.
-
-    Args:
-        store: the dataset root.
-        table: its rows (:func:`~shardkit.format.manifest.shards_table`).
-
-    Raises:
-        StorageError: the write failed.
-    """
-    store.put_bytes(SHARDS_PARQUET, shards_table_bytes(table))
-
-
-def put_dataset_json(store: Store, info: dict[str, Any]) -> None:
-    """Commit: write ``dataset.json`` create-only, so exactly one of two racing packs commits.
-
-    Args:
-        store: the dataset root.
-        info: the dataset's description (:func:`~shardkit.format.manifest.dataset_info`).
-
-    Raises:
-        DatasetExistsError: ``dataset.json`` exists already (another pack committed first).
-        StorageError: the write failed.
-    """
-    store.put_create(DATASET_JSON, dataset_json_bytes(info))
+    records = [r for res in results for r in res.shards]
+    files = [res.fragment for res in results for _ in res.shards]
+    groups = [g for res in results for g in res.row_groups]
+    table = shards_table(records, files, groups)
+    claim.check()  # never commit over shards another pack may have rewritten since
+    if store.exists(DATASET_JSON):
+        # A racing pack of the same plan committed first: leave its manifest untouched.
+        raise DatasetExistsError(f"{store.url} was committed by another pack while this one ran")
+    sweep_strays(store, {r.path for r in records} | {res.fragment for res in results})
+    abort_uploads(store)
+    put_shards_table(store, table)
+    fields = sorted({f for res in results for f in res.fields})
+    skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]
+    info = dataset_info(table, fields, source, labels, skipped,
+                        {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
+    put_dataset_json(store, info)
+    claim.release(ended=False)  # stop the heartbeat first: a late refresh would recreate the claim
+    store.remove("_pack", recursive=True)
+    elapsed = time.monotonic() - started
+    log.info("packed %d samples into %d shards (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
+             info["total_bytes"], elapsed)
+    return {**info, "elapsed_seconds": round(elapsed, 3),
+            "reused_tasks": sum(1 for r in results if r.reused), "tasks": len(results)}

@@ -34,7 +34,7 @@ from shardkit.errors import DatasetExistsError, SourceError, UnsafeTarError
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.format.fragments import build_fragment
 from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_info, fragment_name, parquet_file, shards_table
-from shardkit.packing.commit import put_dataset_json, put_fragment, put_shards_table
+from shardkit.packing.manifest_writer import put_dataset_json, put_fragment, put_shards_table
 from shardkit.packing.progress import Progress
 from shardkit.packing.sample import case_clash_reason
 from shardkit.storage.store import Store, attempts_for, is_transient, pause_before_retry, translate

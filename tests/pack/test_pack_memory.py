@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardkit
-from shardkit.packing import pack as packer
-from shardkit.packing import writer
+from shardkit.packing import iterable as packer
+from shardkit.packing import upload, writer
 from shardkit.format.fragments import FragmentBuilder
 from shardkit.format.manifest import SHARD_CHECKSUMS_KEY, parquet_file, sample_table
 from shardkit.format.rows import SampleRows, ShardRecord
@@ -68,7 +68,7 @@ def test_pack_iterable_keeps_no_python_row_per_sample(s3_server, s3_bucket, monk
     monkeypatch.setattr(packer, "ITERABLE_FRAGMENT_ROWS", FRAGMENT_ROWS)
     # One shard's part uploading at a time, not up to 16 MiB of them queued (as many as the
     # upload lags behind: not a cost of the rows, and not the same from one run to the next).
-    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 2**20)
+    monkeypatch.setattr(upload, "INFLIGHT_BYTES", 2**20)
     so = s3_server.storage_options()
     url = f"{s3_bucket}/ds"
     # Import and set up everything a pack uses first; then the growth from a small pack to a
@@ -108,7 +108,7 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
     table of small rows) hands its rows over in pieces as the shard is written: the heap's
     peak during the task grows far less per sample than the ~1 KB a row as Python objects took."""
     h5py = pytest.importorskip("h5py")
-    from shardkit.packing.pack import PackOptions, run_task
+    from shardkit.packing.task import PackOptions, TaskResult, run_task
     from shardkit.packing.plan import make_plan
     from shardkit.packing.sources import resolve_source
     from shardkit.storage.store import Store
@@ -118,9 +118,9 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
     # Parts of 5 MiB (the least S3 takes), not 16: both runs below fill more than two, so the
     # two part buffers a shard holds (one filling, one uploading) cost both the same.
     monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
-    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 5 * 2**20)
+    monkeypatch.setattr(upload, "INFLIGHT_BYTES", 5 * 2**20)
 
-    def task(n: int) -> tuple[packer.TaskResult, int, Store]:
+    def task(n: int) -> tuple[TaskResult, int, Store]:
         path = tmp_path / f"rows{n}.h5"
         with h5py.File(path, "w") as f:
             f["x"] = np.arange(n * 4, dtype="<f4").reshape(n, 4)

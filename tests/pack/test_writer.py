@@ -286,7 +286,7 @@ def test_failed_part_aborts_the_upload_and_skips_later_shards(
 def test_uploader_keeps_order_stops_at_the_first_error_and_bounds_bytes_in_flight() -> None:
     import threading
 
-    from shardkit.packing.writer import Uploader
+    from shardkit.packing.upload import Uploader
 
     up = Uploader(max_bytes=10)
     gate = threading.Event()
