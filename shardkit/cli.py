@@ -1,12 +1,17 @@
-"""``shardkit`` command line: thin commands over the library.
+"""``shardkit`` command line: thin commands, each over one library call.
 
 Exit codes: 0 success, 1 a failed check or operation, 2 bad usage. Errors are one line on
 stderr naming the object at fault; ``--debug`` adds the traceback.
+
+Each command imports what it runs when it runs, so ``shardkit --help`` and a command that
+fails its argument checks stay quick (the library pulls in pyarrow, s3fs, PIL...).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -14,10 +19,17 @@ import select
 import signal
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from shardkit.config import human_bytes, parse_size
 from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
+
+__all__ = ["build_parser", "check_scheme", "configure_logging", "main", "sample_rate"]
+
+# Where `shardkit bench` says the benchmarks are when it cannot find them.
+_BENCH_HINT = ("the benchmarks are not part of the installed package: they live in the repository's benchmarks/ "
+               "(run `make bench`, or `shardkit bench` from the repository's root)")
 
 
 def _print_json(obj: Any) -> None:
@@ -25,8 +37,16 @@ def _print_json(obj: Any) -> None:
 
 
 def check_scheme(url: str, what: str) -> None:
-    """ConfigError (exit 2, bad usage) for a URL whose scheme no fsspec filesystem has
-    (``foo://x``); storage would report it as a failed operation (exit 1)."""
+    """Refuse, as bad usage (exit 2), a URL whose scheme no fsspec filesystem has (``foo://x``);
+    storage would report it as a failed operation (exit 1).
+
+    Args:
+        url: the URL or path as typed.
+        what: the argument it was given as (``SOURCE``, ``DEST``), for the error.
+
+    Raises:
+        ConfigError: an unknown scheme, or credentials in the URL.
+    """
     import fsspec
     from fsspec.core import split_protocol
 
@@ -46,9 +66,18 @@ def check_scheme(url: str, what: str) -> None:
 
 
 def sample_rate(samples: int, seconds: float) -> str:
-    """``samples`` over ``seconds`` for the pack summary: whole samples/s when there are many,
-    one decimal below 10, and seconds per sample below one a second (huge samples: 2 samples
-    of 300 MB in 5.8 s read "0 samples/s" when rounded to whole samples)."""
+    """``samples`` over ``seconds`` for the pack summary, never rounded to zero.
+
+    Whole samples/s when there are many, one decimal below 10, and seconds per sample below
+    one a second (a few huge samples would otherwise read "0 samples/s").
+
+    Args:
+        samples: samples packed.
+        seconds: the time it took.
+
+    Returns:
+        ``"1234 samples/s"``, ``"2.5 samples/s"`` or ``"2.9 s/sample"``.
+    """
     rate = samples / max(seconds, 1e-9)
     if rate >= 10 or samples == 0:
         return f"{rate:.0f} samples/s"
@@ -58,6 +87,7 @@ def sample_rate(samples: int, seconds: float) -> str:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
+    """``shardkit pack``: :func:`shardkit.packing.pack.pack`, then a summary (or ``--json``)."""
     from shardkit.packing.pack import pack
     from shardkit.packing.transforms import transform_from_options
 
@@ -87,6 +117,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``shardkit info``: :func:`shardkit.read.dataset.open_dataset`, summarised (or ``--json``)."""
     from shardkit.read.dataset import open_dataset
 
     check_scheme(args.dest, "DEST")
@@ -114,6 +145,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``shardkit verify``: :meth:`shardkit.read.dataset.Dataset.verify`; exit 1 on a fault."""
     from shardkit.errors import IntegrityError
     from shardkit.packing.progress import Progress
     from shardkit.read.dataset import Dataset
@@ -141,6 +173,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    """``shardkit index``: :func:`shardkit.packing.index.index_tars`, then a summary (or ``--json``)."""
     from shardkit.packing.index import index_tars
 
     check_scheme(args.dest, "DEST")
@@ -153,19 +186,49 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    # The benchmarks are not part of the installed package: they live in the source checkout
-    # beside shardkit/, which the console script does not have on sys.path.
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "benchmarks" / "run.py").is_file() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
+    """``shardkit bench``: ``benchmarks.run`` of the repository (not installed with the package)."""
+    run = _benchmarks().main
+    return int(run(args.bench_args, prog="shardkit bench") or 0)
+
+
+def _benchmarks() -> ModuleType:
+    """``benchmarks.run`` from the repository's ``benchmarks/``: the checkout this package runs
+    from (a source tree, an editable install) or else the current directory. It is loaded from
+    there without putting the checkout on ``sys.path``: its other folders stay out of reach.
+
+    Raises:
+        ConfigError: no checkout is reachable, or the benchmarks' own imports fail.
+    """
+    if "benchmarks" not in sys.modules:
+        checkout = next((d for d in (Path(__file__).resolve().parent.parent, Path.cwd())
+                         if (d / "benchmarks" / "run.py").is_file()), None)
+        if checkout is None:
+            raise ConfigError(_BENCH_HINT)
+        folder = checkout / "benchmarks"
+        spec = importlib.util.spec_from_file_location("benchmarks", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"cannot load {folder}; {_BENCH_HINT}")
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = package
+        try:
+            spec.loader.exec_module(package)
+        except BaseException:
+            del sys.modules["benchmarks"]
+            raise
     try:
-        from benchmarks.run import main as bench_main
+        return importlib.import_module("benchmarks.run")
     except ImportError as exc:
-        raise ConfigError("shardkit bench runs from a source checkout (benchmarks/ next to shardkit/)") from exc
-    return int(bench_main(args.bench_args, prog="shardkit bench") or 0)
+        raise ConfigError(f"the benchmarks need packages that are missing ({first_line(exc)}): "
+                          "pip install -e '.[bench]' in the repository, or run `make bench`") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shardkit`` argument parser, one subcommand per command.
+
+    Returns:
+        The parser; a parsed namespace's ``func`` runs its command.
+    """
     p = argparse.ArgumentParser(prog="shardkit", description="Sharded WebDataset storage on object storage.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -227,6 +290,7 @@ _VALUE_OPTIONS = ("--shard-size",)
 
 
 def _join_dashed_values(argv: list[str]) -> list[str]:
+    """``argv`` with a dashed value joined to its option (``--shard-size=-5MB``)."""
     out: list[str] = []
     for arg in argv:
         if out and out[-1] in _VALUE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
@@ -258,7 +322,11 @@ _REQUEST_LOGGERS = ("botocore", "boto3", "s3transfer", "aiobotocore", "s3fs", "f
 
 
 def configure_logging(debug: bool) -> None:
-    """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records."""
+    """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records.
+
+    Args:
+        debug: also log shardkit's own DEBUG records (never the request loggers').
+    """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("shardkit").setLevel(logging.DEBUG if debug else logging.NOTSET)
     # Pinned, not just inherited from the root: a root logger set to DEBUG later (a Ray
@@ -279,6 +347,14 @@ def _stdout_gone() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``shardkit`` command.
+
+    Args:
+        argv: the arguments after ``shardkit`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 success, 1 a failed check or operation, 2 bad usage, 130 interrupted.
+    """
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(_join_dashed_values(own))
