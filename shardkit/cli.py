@@ -86,7 +86,7 @@ def sample_rate(samples: int, seconds: float) -> str:
     return f"{seconds / samples:.1f} s/sample"
 
 
-def cmd_pack(args: argparse.Namespace) -> int:
+def _cmd_pack(args: argparse.Namespace) -> int:
     """``shardkit pack``: :func:`shardkit.packing.pack.pack`, then a summary (or ``--json``)."""
     from shardkit.packing.pack import pack
     from shardkit.packing.transforms import transform_from_options
@@ -116,7 +116,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
+def _cmd_info(args: argparse.Namespace) -> int:
     """``shardkit info``: :func:`shardkit.read.dataset.open_dataset`, summarised (or ``--json``)."""
     from shardkit.read.dataset import open_dataset
 
@@ -144,7 +144,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _cmd_verify(args: argparse.Namespace) -> int:
     """``shardkit verify``: :meth:`shardkit.read.dataset.Dataset.verify`; exit 1 on a fault."""
     from shardkit.errors import IntegrityError
     from shardkit.packing.progress import Progress
@@ -172,7 +172,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_index(args: argparse.Namespace) -> int:
+def _cmd_index(args: argparse.Namespace) -> int:
     """``shardkit index``: :func:`shardkit.packing.index.index_tars`, then a summary (or ``--json``)."""
     from shardkit.packing.index import index_tars
 
@@ -185,7 +185,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args: argparse.Namespace) -> int:
     """``shardkit bench``: ``benchmarks.run`` of the repository (not installed with the package)."""
     run = _benchmarks().main
     return int(run(args.bench_args, prog="shardkit bench") or 0)
@@ -200,22 +200,14 @@ def _benchmarks() -> ModuleType:
         ConfigError: no checkout is reachable, or the benchmarks' own imports fail.
     """
     if "benchmarks" not in sys.modules:
-        checkout = next((d for d in (Path(__file__).resolve().parent.parent, Path.cwd())
-                         if (d / "benchmarks" / "run.py").is_file()), None)
-        if checkout is None:
-            raise ConfigError(_BENCH_HINT)
-        folder = checkout / "benchmarks"
-        spec = importlib.util.spec_from_file_location("benchmarks", folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        folder = next((d / "benchmarks" for d in (Path(__file__).resolve().parent.parent, Path.cwd())
+                       if (d / "benchmarks" / "run.py").is_file()), None)
+        spec = None if folder is None else importlib.util.spec_from_file_location(
+            "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)])
         if spec is None or spec.loader is None:
-            raise ConfigError(f"cannot load {folder}; {_BENCH_HINT}")
-        package = importlib.util.module_from_spec(spec)
-        sys.modules["benchmarks"] = package
-        try:
-            spec.loader.exec_module(package)
-        except BaseException:
-            del sys.modules["benchmarks"]
-            raise
+            raise ConfigError(_BENCH_HINT)
+        sys.modules["benchmarks"] = package = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(package)
     try:
         return importlib.import_module("benchmarks.run")
     except ImportError as exc:
@@ -254,19 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "readable until the new one is done, pack to a new prefix and switch to it")
     pk.add_argument("--json", action="store_true")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
-    pk.set_defaults(func=cmd_pack)
+    pk.set_defaults(func=_cmd_pack)
 
     inf = sub.add_parser("info", help="summary of a dataset")
     inf.add_argument("dest")
     inf.add_argument("--json", action="store_true")
-    inf.set_defaults(func=cmd_info)
+    inf.set_defaults(func=_cmd_info)
 
     vf = sub.add_parser("verify", help="check shards against the manifest")
     vf.add_argument("dest")
     vf.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
     vf.add_argument("--json", action="store_true")
     vf.add_argument("--quiet", action="store_true")
-    vf.set_defaults(func=cmd_verify)
+    vf.set_defaults(func=_cmd_verify)
 
     ix = sub.add_parser("index", help="build a manifest for existing WebDataset tars in place")
     ix.add_argument("dest", help="directory or prefix holding *.tar shards (subfolders too)")
@@ -274,12 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace an existing dataset.json and manifest/ (the tars are kept)")
     ix.add_argument("--json", action="store_true")
     ix.add_argument("--quiet", action="store_true")
-    ix.set_defaults(func=cmd_index)
+    ix.set_defaults(func=_cmd_index)
 
     # No -h of its own: every argument, -h included, goes through to benchmarks.run.
     bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)", add_help=False)
     bn.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of python -m benchmarks.run")
-    bn.set_defaults(func=cmd_bench)
+    bn.set_defaults(func=_cmd_bench)
     return p
 
 
