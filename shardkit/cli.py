@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from shardkit.config import human_bytes, parse_size
 from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
 
-__all__ = ["build_parser", "check_scheme", "configure_logging", "main", "sample_rate"]
+__all__ = ["build_parser", "main", "sample_rate"]
 
 # Where `shardkit bench` says the benchmarks are when it cannot find them.
 _BENCH_HINT = ("the benchmarks are not part of the installed package: they live in the repository's benchmarks/ "
@@ -36,17 +36,9 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def check_scheme(url: str, what: str) -> None:
-    """Refuse, as bad usage (exit 2), a URL whose scheme no fsspec filesystem has (``foo://x``);
-    storage would report it as a failed operation (exit 1).
-
-    Args:
-        url: the URL or path as typed.
-        what: the argument it was given as (``SOURCE``, ``DEST``), for the error.
-
-    Raises:
-        ConfigError: an unknown scheme, or credentials in the URL.
-    """
+def _check_scheme(url: str, what: str) -> None:
+    """ConfigError (exit 2, bad usage) for a URL whose scheme no fsspec filesystem has
+    (``foo://x``), naming it as ``what``; storage would report it as a failed operation (exit 1)."""
     import fsspec
     from fsspec.core import split_protocol
 
@@ -91,8 +83,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     from shardkit.packing.pack import pack
     from shardkit.packing.transforms import transform_from_options
 
-    check_scheme(args.source, "SOURCE")
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.source, "SOURCE")
+    _check_scheme(args.dest, "DEST")
     shard_bytes = parse_size(args.shard_size, "--shard-size")  # the error names the option as typed
     transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
                                        predecode=args.predecode)
@@ -120,7 +112,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     """``shardkit info``: :func:`shardkit.read.dataset.open_dataset`, summarised (or ``--json``)."""
     from shardkit.read.dataset import open_dataset
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     info = dict(ds.info)
     if args.json:
@@ -150,7 +142,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from shardkit.packing.progress import Progress
     from shardkit.read.dataset import Dataset
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     try:
         # Not strict: a dataset.json that disagrees with the manifest is one of the faults listed.
         ds = Dataset(args.dest, strict=False)
@@ -176,7 +168,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     """``shardkit index``: :func:`shardkit.packing.index.index_tars`, then a summary (or ``--json``)."""
     from shardkit.packing.index import index_tars
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     info = index_tars(args.dest, overwrite=args.overwrite, progress=not (args.json or args.quiet))
     if args.json:
         _print_json(info)
@@ -313,12 +305,8 @@ _REQUEST_LOGGERS = ("botocore", "boto3", "s3transfer", "aiobotocore", "s3fs", "f
                     "gcsfs", "google", "adlfs", "azure")
 
 
-def configure_logging(debug: bool) -> None:
-    """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records.
-
-    Args:
-        debug: also log shardkit's own DEBUG records (never the request loggers').
-    """
+def _configure_logging(debug: bool) -> None:
+    """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("shardkit").setLevel(logging.DEBUG if debug else logging.NOTSET)
     # Pinned, not just inherited from the root: a root logger set to DEBUG later (a Ray
@@ -352,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(_join_dashed_values(own))
     if bench_args is not None:
         args.bench_args = bench_args
-    configure_logging(args.debug)
+    _configure_logging(args.debug)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

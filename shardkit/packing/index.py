@@ -47,8 +47,14 @@ FRAGMENT_ROWS = 250_000
 
 def list_tars(store: Store) -> list[str]:
     """Every ``*.tar`` under the root, in subfolders too (as ``shardkit pack`` of a folder of
-    tars reads them), relative to the root, sorted; not what an unfinished pack left in
-    ``_pack/``."""
+    tars reads them); not what an unfinished pack left in ``_pack/``.
+
+    Args:
+        store: the dataset root.
+
+    Returns:
+        Their paths relative to the root, sorted.
+    """
     found = set(store.glob("*.tar")) | set(store.glob("**/*.tar"))
     return sorted(t for t in found if not t.startswith("_pack/"))
 

@@ -20,7 +20,7 @@ from shardkit.packing.manifest_writer import put_fragment
 from shardkit.packing.plan import TaskPlan
 from shardkit.packing.sample import PackSample
 from shardkit.packing.sources.base import Source, SourceItem
-from shardkit.packing.writer import TarShard
+from shardkit.packing.tar_shard import TarShard
 from shardkit.packing.upload import Uploader
 from shardkit.storage.store import Store
 

@@ -35,13 +35,16 @@ class Uploader:
     Memory is bounded: :meth:`submit` blocks while parts holding ``max_bytes`` are queued or
     running (a part is always accepted when nothing is in flight, so one part larger than the
     bound cannot deadlock). A full-size part buffer that was written is kept as the spare that
-    :meth:`take_buffer` hands out next: refilling memory already mapped costs about a sixth of
+    :meth:`take_buffer` hands out next: refilling memory already mapped is much cheaper than
     filling fresh pages, and growing a new buffer part after part fragments the heap.
 
     The first job that fails stops the queue: later jobs are skipped, except cleanup jobs
     (``always=True``), and the error is raised in the submitting thread by the next
     :meth:`submit`, :meth:`flush` or :meth:`close`. The order is what keeps resume safe: a
     task's fragment job runs only after every job of its shards succeeded.
+
+    Args:
+        max_bytes: the most bytes of parts queued or being written (default INFLIGHT_BYTES).
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -92,14 +95,31 @@ class Uploader:
             raise self._error
 
     def take_buffer(self, size: int) -> bytearray:
-        """A part buffer of ``size`` bytes to overwrite: the spare one, or a new one."""
+        """A part buffer to overwrite: the spare one, or a new one.
+
+        Args:
+            size: the buffer's length.
+
+        Returns:
+            A bytearray of ``size`` bytes (its content is stale).
+        """
         with self._cond:
             spare, self._spare = self._spare, None
         return spare if spare is not None and len(spare) == size else bytearray(size)
 
     def submit(self, fn: Callable[[], None], part: bytearray | None = None, *, always: bool = False) -> None:
-        """Queue ``fn``, which writes ``part`` (if any; it must not change until then). A
-        cleanup job (``always``) never raises."""
+        """Queue a job, waiting while the bytes in flight are at the bound.
+
+        Args:
+            fn: the job, run on the upload thread.
+            part: the buffer ``fn`` writes, if any (it must not change until then); counts
+                towards the bound and may become the spare buffer.
+            always: a cleanup job: run even after a failure, and never raises here.
+
+        Raises:
+            RuntimeError: the uploader is closed.
+            BaseException: the first error of an earlier job.
+        """
         nbytes = len(part) if part is not None else 0
         with self._cond:
             if self._stopping:
@@ -114,15 +134,26 @@ class Uploader:
             self._cond.notify_all()
 
     def flush(self) -> None:
-        """Wait until every submitted job has run (or been skipped); raise the first error."""
+        """Wait until every submitted job has run (or been skipped).
+
+        Raises:
+            BaseException: the first error of a job.
+        """
         with self._cond:
             while self._pending:
                 self._cond.wait()
             self._check()
 
     def close(self, check: bool = True) -> None:
-        """Run what is queued, stop the thread; raise the first error unless ``check`` is False
-        (an error path, where the caller's own exception is the one to report)."""
+        """Run what is queued and stop the thread.
+
+        Args:
+            check: raise the first error of a job (False on an error path, where the caller's
+                own exception is the one to report).
+
+        Raises:
+            BaseException: the first error of a job, with ``check``.
+        """
         with self._cond:
             while self._pending:
                 self._cond.wait()
@@ -140,8 +171,12 @@ class S3Target:
     8 MiB block was copied into and out of its buffer, sent through the aiobotocore event loop
     thread, and the object only started once the whole first block was buffered. Plain boto3
     sends the part buffer as it is. Every call runs on the Uploader thread (the first one also
-    makes the process's client, ~0.1 s, while the first part is still being framed); calls are
+    makes the process's client, while the first part is still being framed); calls are
     retried on transient faults by :meth:`Store.call` (a part is a whole body, safe to resend).
+
+    Args:
+        store: the destination (an object store).
+        rel: the shard's path under it.
     """
 
     def __init__(self, store: Store, rel: str) -> None:
@@ -154,6 +189,15 @@ class S3Target:
         self.aborted = False
 
     def send(self, part: bytearray, final: bool) -> None:
+        """Upload the shard's next part (discarding the upload if it fails).
+
+        Args:
+            part: the part's bytes.
+            final: the shard's last part: complete the upload (or PUT the one part).
+
+        Raises:
+            StorageError: the call failed past its retries.
+        """
         if self.aborted:
             return
         if self.client is None:
@@ -191,7 +235,13 @@ class S3Target:
 class FileTarget:
     """A shard written through an fsspec file: on local disk a temp file renamed at the end
     (readers never see a partial shard), elsewhere the filesystem's own streaming writer
-    (e.g. s3fs when the store's options need it). Every call runs on the Uploader thread."""
+    (e.g. s3fs when the store's options need it). Every call runs on the Uploader thread.
+
+    Args:
+        store: the destination.
+        write_rel: the path written (a temp name on local disk).
+        final_rel: the shard's path, where it appears when done.
+    """
 
     def __init__(self, store: Store, write_rel: str, final_rel: str) -> None:
         self.store = store
@@ -202,6 +252,15 @@ class FileTarget:
         self.aborted = False
 
     def send(self, part: bytearray, final: bool) -> None:
+        """Write the shard's next part (discarding the file if it fails).
+
+        Args:
+            part: the part's bytes.
+            final: the shard's last part: close the file (and rename a local temp file).
+
+        Raises:
+            OSError: the write failed (as the filesystem raises it).
+        """
         if self.aborted:
             return
         try:
@@ -219,6 +278,7 @@ class FileTarget:
             raise
 
     def discard(self) -> None:
+        """Drop the unfinished file (best effort): a local temp file is deleted."""
         self.aborted = True
         file, self.file = self.file, None
         if file is None:

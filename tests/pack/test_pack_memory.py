@@ -21,7 +21,8 @@ import pytest
 
 import shardkit
 from shardkit.packing import iterable as packer
-from shardkit.packing import upload, writer
+from shardkit.packing import tar_shard, upload
+from shardkit.format import fragments
 from shardkit.format.fragments import FragmentBuilder
 from shardkit.format.manifest import SHARD_CHECKSUMS_KEY, parquet_file, sample_table
 from shardkit.format.rows import SampleRows, ShardRecord
@@ -75,7 +76,7 @@ def test_pack_iterable_keeps_no_python_row_per_sample(s3_server, s3_bucket, monk
     # big one is what the samples cost: fixed costs (a shard's part buffer, the rows of small
     # shards gathered into a piece) are the same in both.
     shardkit.pack(tiny(2000), f"{s3_bucket}/warm", shard_bytes="1MB", storage_options=so, progress=False)
-    small = 2 * writer.PIECE_ROWS
+    small = 2 * tar_shard.PIECE_ROWS
     _, base = traced_pack(small, f"{s3_bucket}/small", so)
     info, peak = traced_pack(N, url, so)
     per_sample = (peak - base) / (N - small)
@@ -117,7 +118,7 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
     opts = PackOptions(512 * 10**6, None, 2 * 10**9, "raise")
     # Parts of 5 MiB (the least S3 takes), not 16: both runs below fill more than two, so the
     # two part buffers a shard holds (one filling, one uploading) cost both the same.
-    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 5 * 2**20)
     monkeypatch.setattr(upload, "INFLIGHT_BYTES", 5 * 2**20)
 
     def task(n: int) -> tuple[TaskResult, int, Store]:
@@ -138,7 +139,7 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
             tracemalloc.stop()
 
     task(1000)  # imports, clients
-    small, big = 2 * writer.PIECE_ROWS, 60_000  # both past one piece of rows
+    small, big = 2 * tar_shard.PIECE_ROWS, 60_000  # both past one piece of rows
     _, base, _ = task(small)
     result, peak, store = task(big)
     per_sample = (peak - base) / (big - small)
@@ -214,7 +215,7 @@ def _rows(shard: int, metas: list[dict[str, Any]], start: int) -> SampleRows:
     return rows
 
 
-@pytest.mark.parametrize("piece_rows", [writer.PIECE_ROWS, 50])
+@pytest.mark.parametrize("piece_rows", [fragments.PIECE_ROWS, 50])
 def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeypatch):
     """FragmentBuilder types metadata columns per piece of rows; the fragment it writes is the
     bytes of one table of every row, whose columns pyarrow types as a whole: where pieces
@@ -222,7 +223,7 @@ def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeyp
     column some pieces lack or hold only None in), with shards given in pieces or at once,
     small shards' rows gathered into one piece (all of them, or every 50 rows), rows of an
     abandoned shard dropped, and empty shards among them."""
-    monkeypatch.setattr(writer, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(fragments, "PIECE_ROWS", piece_rows)
     metas: list[list[dict[str, Any]]] = []
     for s in range(6):
         shard = []

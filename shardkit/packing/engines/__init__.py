@@ -34,7 +34,19 @@ class Engine(Protocol):
 
     def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
             check: Callable[[], None]) -> list[TaskResult]:
-        """Run every task of ``plan`` (calling ``check`` before each); the results in plan order."""
+        """Run every task of the plan.
+
+        Args:
+            store: the destination.
+            src: the source.
+            plan: the pack's plan.
+            opts: the pack's options.
+            show: show a progress bar on stderr.
+            check: called before each task; raises once another pack took the destination over.
+
+        Returns:
+            Every task's result, in plan order, each stored (fragment included).
+        """
         ...
 
 

@@ -35,8 +35,23 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
     (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
-    ``labels_from_dirs``). ``hdf5_rows`` with a source that is not HDF5 is
-    a ConfigError, not silently ignored.
+    ``labels_from_dirs``). Only names and sizes are looked at.
+
+    Args:
+        source: a Source, or a path, glob or URL (``file://`` too).
+        labels_from_dirs: read a folder as an ImageFolder.
+        storage_options: fsspec options for a remote source.
+        hdf5_rows: for an HDF5 source, the datasets whose rows are the samples.
+
+    Returns:
+        The source.
+
+    Raises:
+        SourceNotFoundError: the path does not exist, or a glob matches nothing.
+        SourceError: a type of input no source reads (a remote path that is no tar, a file
+            type, a folder of tars and other files, an empty folder).
+        ConfigError: ``hdf5_rows`` for a source that is not HDF5 (not silently ignored), or
+            credentials in a URL.
     """
     src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
     if hdf5_rows is not None:
