@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import REPO_ROOT, Weed, boto3_client, machine_facts, package_versions, write_json
-from shardkit.packing.writer import PART_BYTES as PART  # the raw multipart row sends the shard writer's parts
+from shardkit.packing.tar_shard import PART_BYTES as PART  # the raw multipart row sends the shard writer's parts
 
 
 def _make_hdf5(path: Path, mb: int) -> Path:

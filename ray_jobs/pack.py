@@ -27,9 +27,18 @@ if os.path.isdir(os.path.join(_REPO, "shardkit")) and _REPO not in sys.path:
 
 from shardkit.cli import main as cli_main  # noqa: E402
 
+__all__ = ["main", "with_ray_engine"]
+
 
 def with_ray_engine(argv: Sequence[str]) -> list[str]:
-    """``pack`` arguments with ``--engine ray`` added unless an engine was given."""
+    """The ``shardkit`` arguments for a pack with these arguments, on Ray unless told otherwise.
+
+    Args:
+        argv: ``shardkit pack`` arguments (``--debug`` may be among them).
+
+    Returns:
+        ``[--debug] pack [--engine ray] ...``: ``--engine ray`` added unless an engine was given.
+    """
     args = list(argv)
     # --debug belongs to the top-level parser, in front of the subcommand.
     top = ["--debug"] if "--debug" in args else []
@@ -39,6 +48,14 @@ def with_ray_engine(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``shardkit pack`` with the Ray engine by default.
+
+    Args:
+        argv: ``shardkit pack`` arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The CLI's exit code.
+    """
     return cli_main(with_ray_engine(sys.argv[1:] if argv is None else argv))
 
 

@@ -1,12 +1,17 @@
-"""``shardkit`` command line: thin commands over the library.
+"""``shardkit`` command line: thin commands, each over one library call.
 
 Exit codes: 0 success, 1 a failed check or operation, 2 bad usage. Errors are one line on
 stderr naming the object at fault; ``--debug`` adds the traceback.
+
+Each command imports what it runs when it runs, so ``shardkit --help`` and a command that
+fails its argument checks stay quick (the library pulls in pyarrow, s3fs, PIL...).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -14,19 +19,26 @@ import select
 import signal
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from shardkit.config import human_bytes, parse_size
 from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
+
+__all__ = ["build_parser", "main", "sample_rate"]
+
+# Where `shardkit bench` says the benchmarks are when it cannot find them.
+_BENCH_HINT = ("the benchmarks are not part of the installed package: they live in the repository's benchmarks/ "
+               "(run `make bench`, or `shardkit bench` from the repository's root)")
 
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def check_scheme(url: str, what: str) -> None:
+def _check_scheme(url: str, what: str) -> None:
     """ConfigError (exit 2, bad usage) for a URL whose scheme no fsspec filesystem has
-    (``foo://x``); storage would report it as a failed operation (exit 1)."""
+    (``foo://x``), naming it as ``what``; storage would report it as a failed operation (exit 1)."""
     import fsspec
     from fsspec.core import split_protocol
 
@@ -46,9 +58,18 @@ def check_scheme(url: str, what: str) -> None:
 
 
 def sample_rate(samples: int, seconds: float) -> str:
-    """``samples`` over ``seconds`` for the pack summary: whole samples/s when there are many,
-    one decimal below 10, and seconds per sample below one a second (huge samples: 2 samples
-    of 300 MB in 5.8 s read "0 samples/s" when rounded to whole samples)."""
+    """``samples`` over ``seconds`` for the pack summary, never rounded to zero.
+
+    Whole samples/s when there are many, one decimal below 10, and seconds per sample below
+    one a second (a few huge samples would otherwise read "0 samples/s").
+
+    Args:
+        samples: samples packed.
+        seconds: the time it took.
+
+    Returns:
+        ``"1234 samples/s"``, ``"2.5 samples/s"`` or ``"2.9 s/sample"``.
+    """
     rate = samples / max(seconds, 1e-9)
     if rate >= 10 or samples == 0:
         return f"{rate:.0f} samples/s"
@@ -57,12 +78,13 @@ def sample_rate(samples: int, seconds: float) -> str:
     return f"{seconds / samples:.1f} s/sample"
 
 
-def cmd_pack(args: argparse.Namespace) -> int:
+def _cmd_pack(args: argparse.Namespace) -> int:
+    """``shardkit pack``: :func:`shardkit.packing.pack.pack`, then a summary (or ``--json``)."""
     from shardkit.packing.pack import pack
     from shardkit.packing.transforms import transform_from_options
 
-    check_scheme(args.source, "SOURCE")
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.source, "SOURCE")
+    _check_scheme(args.dest, "DEST")
     shard_bytes = parse_size(args.shard_size, "--shard-size")  # the error names the option as typed
     transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
                                        predecode=args.predecode)
@@ -86,10 +108,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
+def _cmd_info(args: argparse.Namespace) -> int:
+    """``shardkit info``: :func:`shardkit.read.dataset.open_dataset`, summarised (or ``--json``)."""
     from shardkit.read.dataset import open_dataset
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     info = dict(ds.info)
     if args.json:
@@ -113,12 +136,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """``shardkit verify``: :meth:`shardkit.read.dataset.Dataset.verify`; exit 1 on a fault."""
     from shardkit.errors import IntegrityError
     from shardkit.packing.progress import Progress
     from shardkit.read.dataset import Dataset
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     try:
         # Not strict: a dataset.json that disagrees with the manifest is one of the faults listed.
         ds = Dataset(args.dest, strict=False)
@@ -140,10 +164,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_index(args: argparse.Namespace) -> int:
+def _cmd_index(args: argparse.Namespace) -> int:
+    """``shardkit index``: :func:`shardkit.packing.index.index_tars`, then a summary (or ``--json``)."""
     from shardkit.packing.index import index_tars
 
-    check_scheme(args.dest, "DEST")
+    _check_scheme(args.dest, "DEST")
     info = index_tars(args.dest, overwrite=args.overwrite, progress=not (args.json or args.quiet))
     if args.json:
         _print_json(info)
@@ -152,20 +177,42 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    # The benchmarks are not part of the installed package: they live in the source checkout
-    # beside shardkit/, which the console script does not have on sys.path.
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "benchmarks" / "run.py").is_file() and str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """``shardkit bench``: ``benchmarks.run`` of the repository (not installed with the package)."""
+    run = _benchmarks().main
+    return int(run(args.bench_args, prog="shardkit bench") or 0)
+
+
+def _benchmarks() -> ModuleType:
+    """``benchmarks.run`` from the repository's ``benchmarks/``: the checkout this package runs
+    from (a source tree, an editable install) or else the current directory. It is loaded from
+    there without putting the checkout on ``sys.path``: its other folders stay out of reach.
+
+    Raises:
+        ConfigError: no checkout is reachable, or the benchmarks' own imports fail.
+    """
+    if "benchmarks" not in sys.modules:
+        folder = next((d / "benchmarks" for d in (Path(__file__).resolve().parent.parent, Path.cwd())
+                       if (d / "benchmarks" / "run.py").is_file()), None)
+        spec = None if folder is None else importlib.util.spec_from_file_location(
+            "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        if spec is None or spec.loader is None:
+            raise ConfigError(_BENCH_HINT)
+        sys.modules["benchmarks"] = package = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(package)
     try:
-        from benchmarks.run import main as bench_main
+        return importlib.import_module("benchmarks.run")
     except ImportError as exc:
-        raise ConfigError("shardkit bench runs from a source checkout (benchmarks/ next to shardkit/)") from exc
-    return int(bench_main(args.bench_args, prog="shardkit bench") or 0)
+        raise ConfigError(f"the benchmarks need packages that are missing ({first_line(exc)}): "
+                          "pip install -e '.[bench]' in the repository, or run `make bench`") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shardkit`` argument parser, one subcommand per command.
+
+    Returns:
+        The parser; a parsed namespace's ``func`` runs its command.
+    """
     p = argparse.ArgumentParser(prog="shardkit", description="Sharded WebDataset storage on object storage.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -191,19 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "readable until the new one is done, pack to a new prefix and switch to it")
     pk.add_argument("--json", action="store_true")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
-    pk.set_defaults(func=cmd_pack)
+    pk.set_defaults(func=_cmd_pack)
 
     inf = sub.add_parser("info", help="summary of a dataset")
     inf.add_argument("dest")
     inf.add_argument("--json", action="store_true")
-    inf.set_defaults(func=cmd_info)
+    inf.set_defaults(func=_cmd_info)
 
     vf = sub.add_parser("verify", help="check shards against the manifest")
     vf.add_argument("dest")
     vf.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
     vf.add_argument("--json", action="store_true")
     vf.add_argument("--quiet", action="store_true")
-    vf.set_defaults(func=cmd_verify)
+    vf.set_defaults(func=_cmd_verify)
 
     ix = sub.add_parser("index", help="build a manifest for existing WebDataset tars in place")
     ix.add_argument("dest", help="directory or prefix holding *.tar shards (subfolders too)")
@@ -211,12 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace an existing dataset.json and manifest/ (the tars are kept)")
     ix.add_argument("--json", action="store_true")
     ix.add_argument("--quiet", action="store_true")
-    ix.set_defaults(func=cmd_index)
+    ix.set_defaults(func=_cmd_index)
 
     # No -h of its own: every argument, -h included, goes through to benchmarks.run.
     bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)", add_help=False)
     bn.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of python -m benchmarks.run")
-    bn.set_defaults(func=cmd_bench)
+    bn.set_defaults(func=_cmd_bench)
     return p
 
 
@@ -227,6 +274,7 @@ _VALUE_OPTIONS = ("--shard-size",)
 
 
 def _join_dashed_values(argv: list[str]) -> list[str]:
+    """``argv`` with a dashed value joined to its option (``--shard-size=-5MB``)."""
     out: list[str] = []
     for arg in argv:
         if out and out[-1] in _VALUE_OPTIONS and arg[:1] == "-" and arg[1:2].isdigit():
@@ -257,7 +305,7 @@ _REQUEST_LOGGERS = ("botocore", "boto3", "s3transfer", "aiobotocore", "s3fs", "f
                     "gcsfs", "google", "adlfs", "azure")
 
 
-def configure_logging(debug: bool) -> None:
+def _configure_logging(debug: bool) -> None:
     """WARNING and up from everything; with ``debug``, also shardkit's own DEBUG records."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("shardkit").setLevel(logging.DEBUG if debug else logging.NOTSET)
@@ -279,12 +327,20 @@ def _stdout_gone() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one ``shardkit`` command.
+
+    Args:
+        argv: the arguments after ``shardkit`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 success, 1 a failed check or operation, 2 bad usage, 130 interrupted.
+    """
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(_join_dashed_values(own))
     if bench_args is not None:
         args.bench_args = bench_args
-    configure_logging(args.debug)
+    _configure_logging(args.debug)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         code = func(args)

@@ -450,6 +450,26 @@ def test_bench_help_from_the_console_script() -> None:
             assert option in r.stdout, r.stdout
 
 
+def test_bench_from_an_installed_package(tmp_path: Path) -> None:
+    """An installed shardkit (no checkout beside it) finds benchmarks/ in the current directory,
+    and elsewhere says in one line where the benchmarks live (exit 2), without a traceback."""
+    import shutil
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "shardkit", site / "shardkit", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "bench", "--quick"], capture_output=True, text=True,
+                       env=env, timeout=120, cwd=elsewhere)
+    assert r.returncode == 2, r.stderr
+    line = one_line(r.stderr)
+    assert "benchmarks/" in line and "make bench" in line, line
+    r = subprocess.run([sys.executable, "-m", "shardkit.cli", "bench", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.startswith("usage: shardkit bench"), r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("samples, seconds, shown", [
     (2, 5.8, "2.9 s/sample"),          # huge samples: was "0 samples/s"
     (1, 0.5, "2.0 samples/s"),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+__all__ = ["BLOCK_BYTES", "BLOCK_BYTES_KEY", "SampleHasher", "bad_blocks", "block_span"]
+
 BLOCK_BYTES = 2**20
 # Parquet schema metadata key of a samples fragment: the block size its block_checksums use.
 BLOCK_BYTES_KEY = b"shardkit.block_bytes"
@@ -25,6 +27,9 @@ class SampleHasher:
     checksum, ``blocks`` the block checksums (None for a sample of one block or less, whose
     checksum already covers it). The first block's hash is the whole hash taken at the block
     boundary, so a small sample is hashed once, as before block checksums existed.
+
+    Args:
+        block_bytes: the block size.
     """
 
     def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
@@ -36,7 +41,11 @@ class SampleHasher:
 
     def copy(self) -> "SampleHasher":
         """An independent hasher in the same state (``shardkit index`` hashes a member that
-        may or may not turn out to lie inside the sample into a copy)."""
+        may or may not turn out to lie inside the sample into a copy).
+
+        Returns:
+            The copy.
+        """
         twin = SampleHasher(self.block_bytes)
         twin.whole = self.whole.copy()
         twin._block = None if self._block is None else self._block.copy()
@@ -45,12 +54,18 @@ class SampleHasher:
         return twin
 
     def reset(self) -> None:
+        """Start over, for the next sample."""
         self.whole.reset()
         self._block = None
         self._fill = 0
         self._done = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Hash the sample's next bytes.
+
+        Args:
+            data: the bytes, in order after those given before (a byte buffer).
+        """
         n = len(data)
         if self._fill + n < self.block_bytes:  # the common case: the bytes stay in the current block
             self.whole.update(data)
@@ -80,6 +95,7 @@ class SampleHasher:
         self._fill = 0
 
     def intdigest(self) -> int:
+        """The sample's xxh3-64 so far."""
         return int(self.whole.intdigest())
 
     def blocks(self) -> list[int] | None:
@@ -92,8 +108,18 @@ class SampleHasher:
 
 
 def block_span(sample_offset: int, sample_size: int, start: int, end: int, block_bytes: int) -> tuple[int, int, int]:
-    """(first block, shard byte where it starts, shard byte where the last needed block ends)
-    for the byte range ``[start, end)`` of a sample at ``sample_offset``."""
+    """The blocks a read of the byte range ``[start, end)`` of a sample must fetch to check them.
+
+    Args:
+        sample_offset: the sample's offset in the shard.
+        sample_size: the sample's size.
+        start: the first shard byte wanted.
+        end: the shard byte after the last one wanted.
+        block_bytes: the block size.
+
+    Returns:
+        ``(first block, shard byte where it starts, shard byte where the last needed block ends)``.
+    """
     first = (start - sample_offset) // block_bytes
     last = -(-(end - sample_offset) // block_bytes)  # ceil
     return first, sample_offset + first * block_bytes, min(sample_offset + last * block_bytes,
@@ -101,9 +127,18 @@ def block_span(sample_offset: int, sample_size: int, start: int, end: int, block
 
 
 def bad_blocks(data: np.ndarray, first: int, want: np.ndarray, block_bytes: int) -> list[int]:
-    """Indices (within the sample) of the blocks of ``data`` (a flat uint8 array) whose xxh3-64
-    is not ``want``'s; ``data`` starts at block ``first`` and ends at a block boundary or the
-    sample's end."""
+    """The blocks of ``data`` whose xxh3-64 is not the one recorded.
+
+    Args:
+        data: a flat uint8 array of the sample's bytes from block ``first`` to a block boundary
+            or the sample's end.
+        first: the block ``data`` starts at.
+        want: the sample's recorded block checksums.
+        block_bytes: the block size.
+
+    Returns:
+        The indices (within the sample) of the bad blocks, in order.
+    """
     view = data.data
     bad = []
     for k in range(-(-len(view) // block_bytes)):

@@ -1,8 +1,10 @@
 """Samples fragments (``manifest/samples-NNNNN.parquet``) built as a pack writes its shards.
 
-A pack task's manifest rows become compressed Arrow as they come, so packing holds tens of
-bytes per sample, not the ~1 KB its rows take as Python objects; the fragment written is
-byte for byte what :func:`shardkit.format.manifest.sample_table` over all the rows would give.
+A pack task's manifest rows become compressed Arrow as they come, so packing holds a few bytes
+per sample rather than Python objects per row (see benchmarks/RESULTS.md for the pack's
+memory); the fragment is byte for byte what :func:`shardkit.format.manifest.sample_table` over
+all the rows would give. This module builds the bytes; :mod:`shardkit.packing.manifest_writer`
+stores them.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from typing import Any, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardkit.format.checksums import BLOCK_BYTES, BLOCK_BYTES_KEY
 from shardkit.errors import ManifestError
-from shardkit.format.manifest import SAMPLE_COLUMNS, SHARD_CHECKSUMS_KEY, meta_array, row_groups_of, sample_batch
-from shardkit.storage.store import Store
+from shardkit.format.checksums import BLOCK_BYTES, BLOCK_BYTES_KEY
+from shardkit.format.manifest import SAMPLE_COLUMNS, SHARD_CHECKSUMS_KEY, meta_array, sample_batch
 from shardkit.format.rows import PIECE_ROWS, SampleRows, ShardRecord
+
+__all__ = ["FragmentBuilder", "build_fragment"]
 
 
 # Rows, once Arrow, wait for the fragment as zstd-compressed IPC streams.
@@ -29,12 +32,11 @@ class FragmentBuilder:
     """A samples fragment built shard by shard, holding no Python object per sample.
 
     Rows become Arrow as they come (:meth:`add_rows` while a shard is written, :meth:`add`
-    with its record when it is done) and wait as zstd-compressed Arrow IPC streams: tens of
-    bytes a sample, where rows as Python lists and dicts take about a kilobyte. Rows of shards
-    too small for a piece of their own (``rows.PIECE_ROWS``) gather first and become one
-    piece together (a piece's IPC framing costs ~2 KB). :meth:`write` stores the fragment,
-    one row group per shard, byte for byte what :func:`sample_table` over all the rows at once
-    would give.
+    with its record when it is done) and wait as zstd-compressed Arrow IPC streams, far smaller
+    than rows as Python lists and dicts. Rows of shards too small for a piece of their own
+    (``rows.PIECE_ROWS``) gather first and become one piece together (each piece costs its IPC
+    framing). :meth:`to_bytes` gives the fragment, one row group per shard, byte for byte what
+    :func:`~shardkit.format.manifest.sample_table` over all the rows at once would give.
 
     Metadata columns are typed per piece first. The fragment's type of a column is the one
     every piece agrees on (pieces where it is missing or all None take it as nulls); where
@@ -56,7 +58,14 @@ class FragmentBuilder:
         self._staged_shards: list[int] = []  # shards (in _spans) whose last span is in _staged
 
     def add_rows(self, rows: SampleRows) -> None:
-        """Rows of the shard being written, in order (more may follow)."""
+        """Take rows of the shard being written, in order (more may follow).
+
+        Args:
+            rows: the next rows, all of one shard.
+
+        Raises:
+            ManifestError: the rows are of another shard than earlier ones.
+        """
         self._current.add(rows)
 
     def drop_rows(self) -> None:
@@ -64,7 +73,16 @@ class FragmentBuilder:
         self._current = _ShardPieces()
 
     def add(self, record: ShardRecord, rows: SampleRows | None = None) -> None:
-        """Finish a shard: its record, and its last rows (after any given to :meth:`add_rows`)."""
+        """Finish a shard: its record, and its last rows (after any given to :meth:`add_rows`).
+
+        Args:
+            record: the shard's record.
+            rows: its rows not given to :meth:`add_rows` yet.
+
+        Raises:
+            ManifestError: the rows are not the shard's (another shard, or not
+                ``record.num_samples`` of them in all).
+        """
         current, self._current = self._current, _ShardPieces()
         rows = rows if rows is not None and len(rows) else None
         if current.num_rows + (len(rows) if rows else 0) != record.num_samples \
@@ -144,7 +162,18 @@ class FragmentBuilder:
         return json.dumps({str(r.shard): r.checksum for r in self.shards if r.num_samples}).encode()
 
     def to_bytes(self, extra_metadata: dict[str, str] | None = None) -> bytes:
-        """The fragment's Parquet bytes."""
+        """The fragment's Parquet bytes: one row group per shard that has rows.
+
+        Args:
+            extra_metadata: more Parquet key-value metadata (a pack records there the shards
+                its task completed).
+
+        Returns:
+            The bytes.
+
+        Raises:
+            ManifestError: a metadata column's values mix incompatible types.
+        """
         meta_fields, whole = self._columns()
         metadata = {BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode(), SHARD_CHECKSUMS_KEY: self._shard_checksums()}
         metadata.update({k.encode(): v.encode() for k, v in (extra_metadata or {}).items()})
@@ -182,12 +211,6 @@ class FragmentBuilder:
         options = None if column is None else pa.ipc.IpcReadOptions(included_fields=[column])
         return pa.ipc.open_stream(self._pieces[index], options=options).read_next_batch()
 
-    def write(self, store: Store, name: str, extra_metadata: dict[str, str] | None = None) -> list[int]:
-        """Store the fragment as ``name``; the row-group index of each shard (-1: empty)."""
-        data = self.to_bytes(extra_metadata)
-        store.put_bytes(name, data)
-        return row_groups_of(data, self.shards)
-
 
 class _Piece:
     """Rows as a compressed Arrow IPC stream, and the types its metadata columns took."""
@@ -216,6 +239,7 @@ class _ShardPieces:
         self.shard: int | None = None
 
     def add(self, rows: SampleRows) -> None:
+        """Take the next rows of the shard (as a compressed piece)."""
         if not len(rows):
             return
         shard = rows.shard[0]
@@ -230,12 +254,20 @@ def _concat(arrays: list[pa.Array]) -> pa.Array:
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
-def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[ShardRecord],
-                   extra_metadata: dict[str, str] | None = None) -> list[int]:
-    """Write one samples fragment with one row group per shard (in shard order).
+def build_fragment(name: str, rows: SampleRows, shards: Sequence[ShardRecord]) -> FragmentBuilder:
+    """A fragment of ``rows`` with one row group per shard (in shard order), ready to write.
 
-    Returns the row-group index of each shard in ``shards``. ``extra_metadata`` lands in the
-    Parquet key-value metadata (pack uses it to record the shards a task completed).
+    Args:
+        name: the fragment's name, for error messages.
+        rows: every shard's rows, in shard order.
+        shards: the shards the rows belong to, in order; ``num_samples`` rows each.
+
+    Returns:
+        The builder: :meth:`FragmentBuilder.to_bytes` gives the fragment (with any extra
+        Parquet key-value metadata), :func:`~shardkit.format.manifest.row_groups_of` its row groups.
+
+    Raises:
+        ManifestError: naming the fragment, when the rows do not follow the shards.
     """
     builder = FragmentBuilder()
     start = 0
@@ -248,4 +280,4 @@ def write_fragment(store: Store, name: str, rows: SampleRows, shards: Sequence[S
         except ManifestError as exc:
             raise ManifestError(f"fragment {name}: {exc}") from None
         start = stop
-    return builder.write(store, name, extra_metadata)
+    return builder

@@ -1,5 +1,6 @@
-"""Format v1 manifest: the Arrow schemas, shards.parquet, committing dataset.json (samples
-fragments are built in :mod:`shardkit.format.fragments`).
+"""Format v1 manifest: the Arrow schemas, the bytes of shards.parquet and dataset.json (samples
+fragments are built in :mod:`shardkit.format.fragments`; :mod:`shardkit.packing.manifest_writer`
+stores them).
 
 Layout under a dataset root::
 
@@ -40,8 +41,11 @@ import pyarrow.parquet as pq
 from shardkit import __version__
 from shardkit.format.checksums import BLOCK_BYTES, BLOCK_BYTES_KEY
 from shardkit.errors import ManifestError, first_line
-from shardkit.storage.store import Store
 from shardkit.format.rows import SampleRows, ShardRecord
+
+__all__ = ["DATASET_JSON", "FIELD_TYPE", "FORMAT", "SAMPLE_COLUMNS", "SHARDS_PARQUET", "SHARD_CHECKSUMS_KEY",
+           "SHARD_SCHEMA", "VERSION", "dataset_info", "dataset_json_bytes", "fragment_name", "meta_array",
+           "parquet_file", "row_groups_of", "sample_batch", "sample_table", "shards_table", "shards_table_bytes"]
 
 FORMAT = "shardkit"
 VERSION = 1
@@ -81,8 +85,18 @@ def parquet_file(data: bytes, name: str = "manifest") -> pq.ParquetFile:
 
     Always through ``pa.BufferReader``, and callers read with ``use_threads=False``: pyarrow
     26 sometimes aborts the interpreter at exit ("terminate called without an active
-    exception") once its thread pools ran (reading through a Python file object did so ~1 run
-    in 10 here). Manifest row groups are small: threads buy nothing there.
+    exception") once its thread pools ran (reading through a Python file object made it
+    happen now and then). Manifest row groups are small: threads buy nothing there.
+
+    Args:
+        data: the Parquet file's bytes.
+        name: the file, for the error.
+
+    Returns:
+        The ParquetFile.
+
+    Raises:
+        ManifestError: the bytes are no readable Parquet file.
     """
     try:
         return pq.ParquetFile(pa.BufferReader(data))
@@ -91,12 +105,30 @@ def parquet_file(data: bytes, name: str = "manifest") -> pq.ParquetFile:
 
 
 def fragment_name(task: int) -> str:
+    """The path of pack task ``task``'s samples fragment.
+
+    Args:
+        task: the task (or, for an iterable, the fragment) number.
+
+    Returns:
+        ``manifest/samples-NNNNN.parquet``.
+    """
     return f"manifest/samples-{task:05d}.parquet"
 
 
 def sample_table(rows: SampleRows) -> pa.Table:
     """Arrow table of sample rows: the v1 columns, then user metadata columns (sorted by name,
-    each typed by pyarrow's inference over the whole column)."""
+    each typed by pyarrow's inference over the whole column).
+
+    Args:
+        rows: the rows.
+
+    Returns:
+        The table, its schema recording ``shardkit.block_bytes``.
+
+    Raises:
+        ManifestError: a metadata column clashes with a manifest column or mixes types.
+    """
     base = pa.Table.from_batches([sample_batch(rows)]).replace_schema_metadata({BLOCK_BYTES_KEY: str(BLOCK_BYTES).encode()})
     for name in sorted({k for m in rows.meta for k in m}):
         base = base.append_column(name, meta_array(name, [m.get(name) for m in rows.meta]))
@@ -104,7 +136,14 @@ def sample_table(rows: SampleRows) -> pa.Table:
 
 
 def sample_batch(rows: SampleRows) -> pa.RecordBatch:
-    """The v1 columns of ``rows``."""
+    """The v1 columns of ``rows``.
+
+    Args:
+        rows: the rows.
+
+    Returns:
+        A record batch of :data:`SAMPLE_COLUMNS`.
+    """
     return pa.RecordBatch.from_arrays([
         pa.array(rows.key, pa.string()),
         pa.array(rows.shard, pa.int32()),
@@ -117,6 +156,18 @@ def sample_batch(rows: SampleRows) -> pa.RecordBatch:
 
 
 def meta_array(name: str, values: list[Any]) -> pa.Array:
+    """One user metadata column, typed by pyarrow's inference over all its values.
+
+    Args:
+        name: the column.
+        values: its values, one per row (None where a row lacks it).
+
+    Returns:
+        The Arrow array.
+
+    Raises:
+        ManifestError: the name is a manifest column's, or the values mix incompatible types.
+    """
     if name in SAMPLE_COLUMNS.names:
         raise ManifestError(f"metadata column {name!r} clashes with a manifest column")
     try:
@@ -126,7 +177,18 @@ def meta_array(name: str, values: list[Any]) -> pa.Array:
 
 
 def row_groups_of(data: bytes, shards: Sequence[ShardRecord]) -> list[int]:
-    # Empty shards write no row group; map each shard to its real row-group index (-1 if empty).
+    """The row group of each shard in a samples fragment (empty shards have none).
+
+    Args:
+        data: the fragment's bytes.
+        shards: the shards it holds rows of, in order.
+
+    Returns:
+        Each shard's row-group index, -1 for an empty shard.
+
+    Raises:
+        ManifestError: a row group lacks the shard column's statistics.
+    """
     md = parquet_file(data).metadata
     by_shard: dict[int, int] = {}
     for g in range(md.num_row_groups):
@@ -140,7 +202,19 @@ def row_groups_of(data: bytes, shards: Sequence[ShardRecord]) -> list[int]:
 
 
 def shards_table(records: Sequence[ShardRecord], samples_files: Sequence[str], row_groups: Sequence[int]) -> pa.Table:
-    """manifest/shards.parquet rows in shard order, with global first_sample filled in."""
+    """manifest/shards.parquet rows in shard order, with the global ``first_sample`` filled in.
+
+    Args:
+        records: the shards, in any order.
+        samples_files: each record's samples fragment.
+        row_groups: each record's row group in its fragment.
+
+    Returns:
+        The table, in :data:`SHARD_SCHEMA`.
+
+    Raises:
+        ManifestError: the shard numbers are not 0..n-1.
+    """
     order = sorted(range(len(records)), key=lambda i: records[i].shard)
     first = 0
     cols: dict[str, list[Any]] = {name: [] for name in SHARD_SCHEMA.names}
@@ -160,15 +234,36 @@ def shards_table(records: Sequence[ShardRecord], samples_files: Sequence[str], r
     return pa.table(cols, schema=SHARD_SCHEMA)
 
 
-def write_shards_table(store: Store, table: pa.Table) -> None:
+def shards_table_bytes(table: pa.Table) -> bytes:
+    """The bytes of ``manifest/shards.parquet`` holding ``table`` (zstd-compressed Parquet).
+
+    Args:
+        table: rows from :func:`shards_table`.
+
+    Returns:
+        The Parquet file's bytes, ready to store as :data:`SHARDS_PARQUET`.
+    """
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    store.put_bytes(SHARDS_PARQUET, buf.getvalue())
+    return buf.getvalue()
 
 
 def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any],
                  labels: dict[str, int] | None, skipped: Sequence[dict[str, str]],
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The content of ``dataset.json`` for a dataset of these shards.
+
+    Args:
+        shards: the shards.parquet table.
+        fields: the field names the samples have.
+        source: the source's description.
+        labels: class name -> index, if the source has classes.
+        skipped: the inputs left out, as ``{"ref", "key", "reason"}``.
+        extra: more top-level entries (``pack`` or ``index`` settings).
+
+    Returns:
+        The JSON-able description, stamped with the time and shardkit's version.
+    """
     info: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -186,6 +281,15 @@ def dataset_info(shards: pa.Table, fields: Sequence[str], source: dict[str, Any]
     return info
 
 
-def commit(store: Store, info: dict[str, Any]) -> None:
-    """Write dataset.json create-only: exactly one of two racing packs commits."""
-    store.put_create(DATASET_JSON, json.dumps(info, indent=2, sort_keys=True).encode())
+def dataset_json_bytes(info: dict[str, Any]) -> bytes:
+    """The bytes of ``dataset.json`` for ``info`` (sorted keys, indented: stable and readable).
+
+    Args:
+        info: the dataset's description, from :func:`dataset_info`.
+
+    Returns:
+        UTF-8 JSON, ready to store (create-only) as :data:`DATASET_JSON`.
+    """
+    return json.dumps(info, indent=2, sort_keys=True).encode()
+
+

@@ -17,7 +17,14 @@ PIECE_ROWS = 4096
 
 
 def shard_name(index: int) -> str:
-    """Deterministic shard path relative to the dataset root."""
+    """The deterministic path of shard ``index`` relative to the dataset root.
+
+    Args:
+        index: the shard number.
+
+    Returns:
+        ``shards/shard-NNNNNN.tar``.
+    """
     return f"shards/shard-{index:06d}.tar"
 
 
@@ -49,10 +56,24 @@ class SampleRows:
         return len(self.key)
 
     def extend(self, other: "SampleRows") -> None:
+        """Append ``other``'s rows.
+
+        Args:
+            other: rows to append.
+        """
         for name in _ROW_COLUMNS:
             getattr(self, name).extend(getattr(other, name))
 
     def slice(self, start: int, stop: int) -> "SampleRows":
+        """Rows ``[start, stop)``.
+
+        Args:
+            start: the first row.
+            stop: the row after the last.
+
+        Returns:
+            A copy of those rows.
+        """
         return SampleRows(*(getattr(self, name)[start:stop] for name in _ROW_COLUMNS))
 
 

@@ -6,11 +6,21 @@ from typing import IO, Iterator
 
 from shardkit.errors import SourceError
 
+__all__ = ["CHUNK_BYTES", "iter_exact", "read_exact"]
+
 CHUNK_BYTES = 8 * 1024 * 1024  # the largest piece a streamed member yields at once
 
 
 def read_exact(fp: IO[bytes], n: int) -> bytes:
-    """Up to ``n`` bytes: fewer only at end of file (short reads are retried)."""
+    """Read ``n`` bytes, retrying short reads.
+
+    Args:
+        fp: a binary file.
+        n: bytes wanted.
+
+    Returns:
+        ``n`` bytes, fewer only at end of file.
+    """
     parts = []
     while n > 0:
         b = fp.read(n)
@@ -22,9 +32,19 @@ def read_exact(fp: IO[bytes], n: int) -> bytes:
 
 
 def iter_exact(fp: IO[bytes], size: int, what: str, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Exactly ``size`` bytes of ``fp`` in pieces of at most ``chunk`` bytes.
+    """Exactly ``size`` bytes of ``fp``, in pieces.
 
-    Raises SourceError naming ``what`` if the data ends early (it changed while packing).
+    Args:
+        fp: a binary file, positioned where the bytes start.
+        size: bytes to read.
+        what: the data, for the error.
+        chunk: the largest piece.
+
+    Yields:
+        Pieces of at most ``chunk`` bytes, ``size`` bytes in all.
+
+    Raises:
+        SourceError: naming ``what``, when the data ends early (it changed while packing).
     """
     left = size
     while left > 0:

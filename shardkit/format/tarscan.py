@@ -19,8 +19,11 @@ import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable, Iterator
 
-from shardkit.format.streams import read_exact
 from shardkit.errors import UnsafeTarError
+from shardkit.format.streams import read_exact
+
+__all__ = ["MAX_EXTENDED_HEADER", "TarMember", "check_member_name", "group_members", "parse_pax", "scan_tar",
+           "split_name", "wds_split"]
 
 BLOCK = 512
 # Extension headers (pax records, GNU long names) larger than this are not real-world names.
@@ -65,7 +68,15 @@ def _read_at(fileobj: BinaryIO, offset: int, n: int) -> bytes:
 
 
 def check_member_name(name: str, *, tar: str) -> None:
-    """Refuse names that could escape a directory or confuse a reader."""
+    """Refuse a member name that could escape a directory or confuse a reader.
+
+    Args:
+        name: the member name (pax and GNU long names applied).
+        tar: the tar, for the error.
+
+    Raises:
+        UnsafeTarError: an empty name, a NUL byte, an absolute name or a ``..`` component.
+    """
     if not name:
         raise UnsafeTarError(f"{tar}: member with an empty name")
     if "\x00" in name:
@@ -77,7 +88,19 @@ def check_member_name(name: str, *, tar: str) -> None:
 
 
 def parse_pax(data: bytes, *, tar: str, offset: int) -> dict[str, str]:
-    """Parse pax extended-header records (``"<len> <key>=<value>\\n"``)."""
+    """Parse pax extended-header records (``"<len> <key>=<value>\\n"``).
+
+    Args:
+        data: the extended header's body.
+        tar: the tar, for the error.
+        offset: the header's offset, for the error.
+
+    Returns:
+        Key -> value (undecodable bytes surrogate-escaped).
+
+    Raises:
+        UnsafeTarError: a malformed record.
+    """
     records: dict[str, str] = {}
     pos = 0
     while pos < len(data):
@@ -109,7 +132,12 @@ def scan_tar(
         start: offset to start at (a member's ``offset_header``); scanning stops at
             ``file_size`` or at an end-of-archive (all-zero) block.
 
-    Directory members are skipped. Raises UnsafeTarError on anything refused (see module doc).
+    Yields:
+        Each regular-file member, in file order (directory members are skipped).
+
+    Raises:
+        UnsafeTarError: anything refused (see the module's docstring), a truncated or bad
+            header (naming the compression when the file is a compressed tar).
     """
     pos = start
     pax: dict[str, str] = {}
@@ -212,6 +240,12 @@ def split_name(name: str) -> tuple[str, str]:
 
     The key is the directory prefix plus the basename up to its first dot; the field is the
     rest (empty when the basename has no dot). A leading ``./`` is dropped.
+
+    Args:
+        name: a member name.
+
+    Returns:
+        ``(key, field)``.
     """
     while name.startswith("./"):
         name = name[2:]
@@ -237,6 +271,12 @@ def wds_split(name: str) -> tuple[str, str] | None:
     (``README``) and, at the top level, basenames starting with a dot (macOS ``._0001.jpg``).
     Below a folder it makes such a member a sample keyed by the folder (``dir/._x.jpg`` is
     key ``dir/``, field ``_x.jpg``), which is never a real sample: skipped here too.
+
+    Args:
+        name: a member name.
+
+    Returns:
+        ``(key, field)``, or None for a member webdataset skips.
     """
     if ("/" not in name and name.startswith("__") and name.endswith("__")) or _WDS_META.match(name):
         return None
@@ -247,7 +287,14 @@ def wds_split(name: str) -> tuple[str, str] | None:
 
 
 def group_members(members: Iterable[TarMember]) -> Iterator[tuple[str, list[TarMember]]]:
-    """Group consecutive members that share a WebDataset key; yields ``(key, members)``."""
+    """Group consecutive members that share a WebDataset key (:func:`split_name`).
+
+    Args:
+        members: members in tar order.
+
+    Yields:
+        ``(key, members)`` per run of members with one key.
+    """
     key: str | None = None
     group: list[TarMember] = []
     for m in members:

@@ -37,6 +37,8 @@ from shardkit.cache.files import pid_alive
 from shardkit.errors import DatasetExistsError, ShardkitError, StorageError
 from shardkit.storage.store import Store
 
+__all__ = ["CLAIM", "HEARTBEAT_SECONDS", "STALE_SECONDS", "TAKEOVER_PREFIX", "Claim"]
+
 log = logging.getLogger(__name__)
 
 CLAIM = "_pack/plan.json"
@@ -84,7 +86,13 @@ def _differs(then: dict[str, Any] | None, now: dict[str, Any]) -> str:
 
 
 class Claim:
-    """This pack's hold on ``store``: :meth:`take` it, :meth:`check` it, :meth:`release` it."""
+    """This pack's hold on ``store``: :meth:`take` it, :meth:`check` it, :meth:`release` it.
+
+    Args:
+        store: the destination.
+        plan_id: the pack's plan fingerprint (a pack of the same plan may resume this one).
+        settings: the pack's settings, recorded to say what differs when another pack is refused.
+    """
 
     def __init__(self, store: Store, plan_id: str, settings: dict[str, Any]) -> None:
         self.store = store
@@ -129,11 +137,18 @@ class Claim:
     # ---------------------------------------------------------------- taking
 
     def take(self, overwrite: bool) -> None:
-        """Claim the destination, or raise DatasetExistsError saying who holds it and what to do.
+        """Claim the destination, and start refreshing the claim's heartbeat.
 
         Sets :attr:`resumed` when the claim taken over was of the same plan (its finished tasks
         are worth keeping); after any other takeover the caller removes what that pack wrote.
         Sets :attr:`fresh` when there was no claim to take over (no unfinished pack here).
+
+        Args:
+            overwrite: a claim of another plan that is no longer live may be taken over.
+
+        Raises:
+            DatasetExistsError: saying who holds the destination and what to do: a live claim,
+                a claim of another plan (without ``overwrite``), or a race with other packs.
         """
         for _ in range(5):
             try:
@@ -220,7 +235,11 @@ class Claim:
         return f"its claim now belongs to plan {other.get('plan_id')} on {other.get('host', '?')}, pid {other.get('pid', '?')}"
 
     def check(self) -> None:
-        """Raise DatasetExistsError unless the claim still carries this pack's token."""
+        """Check the claim still carries this pack's token.
+
+        Raises:
+            DatasetExistsError: another pack took the destination over.
+        """
         if self._lost is None:
             found = self._read()
             if found is None or found[1].get("token") != self.token:
@@ -244,9 +263,13 @@ class Claim:
             self._thread.join()
 
     def release(self, ended: bool) -> None:
-        """Stop the heartbeat. With ``ended`` (the pack failed) mark the claim as over, if it
-        is still ours, so a rerun need not wait for it to go stale; the claim is kept, so the
-        rerun resumes the plan or is told what differs."""
+        """Stop the heartbeat.
+
+        Args:
+            ended: the pack failed: mark the claim as over, if it is still ours, so a rerun need
+                not wait for it to go stale; the claim is kept, so the rerun resumes the plan or
+                is told what differs.
+        """
         self._stop_beat()
         if not ended or self._lost is not None:
             return

@@ -1,9 +1,10 @@
 """Finding repeated sample keys among tens of millions without holding the keys.
 
-A dict of key strings costs about 130 bytes a key: 2.6 GB at 20 M samples, in the process
-that indexes existing WebDataset tars. The ledger keeps 12 bytes a key instead (its xxh3-64
-and its shard), and names the pairs of shards whose keys hash alike once everything is seen;
-the caller reads those two shards' keys back to tell a real repeat from a hash collision.
+A dict of key strings costs over a hundred bytes a key: gigabytes at tens of millions of
+samples, in the process that indexes existing WebDataset tars. The ledger keeps 12 bytes a key
+instead (its xxh3-64 and its shard), and names the pairs of shards whose keys hash alike once
+everything is seen; the caller reads those two shards' keys back to tell a real repeat from a
+hash collision.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ __all__ = ["KeyLedger", "key_hash"]
 
 
 def key_hash(key: str) -> int:
+    """The xxh3-64 of a sample key (undecodable bytes surrogate-escaped, as names are read).
+
+    Args:
+        key: the key.
+
+    Returns:
+        The 64-bit hash.
+    """
     return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape"))
 
 
@@ -31,13 +40,23 @@ class KeyLedger:
         return len(self._hashes)
 
     def add(self, key: str, shard: int) -> None:
+        """Note ``key``, seen in ``shard``.
+
+        Args:
+            key: a sample key.
+            shard: the shard holding it.
+        """
         self._hashes.append(key_hash(key))
         self._shards.append(shard)
 
     def suspects(self) -> list[tuple[int, int]]:
         """(shard, shard) pairs, lowest first, that may hold one key twice (the same shard
         twice for a key repeated inside it), in shard order: every pair of entries whose keys
-        hash alike."""
+        hash alike.
+
+        Returns:
+            The pairs; the caller reads those shards' keys back to find real repeats.
+        """
         if len(self) < 2:
             return []
         hashes = np.frombuffer(self._hashes, dtype=np.uint64)

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 import xxhash
 
-from shardkit.packing.sources.base import SourceItem
 from shardkit.format.tar import END_OF_ARCHIVE
+from shardkit.packing.sources.base import SourceItem
 
+__all__ = ["TARGET_TASKS", "PackPlan", "ShardSpan", "TaskPlan", "make_plan", "plan_shards", "plan_tasks"]
+
+# The number of tasks a plan aims at, so a cluster has parallel work (see plan_tasks).
 TARGET_TASKS = 64
 
 
@@ -37,15 +40,26 @@ class TaskPlan:
 
     @property
     def start(self) -> int:
+        """The task's first item in the plan's item list."""
         return self.shards[0].start
 
     @property
     def stop(self) -> int:
+        """The item after the task's last."""
         return self.shards[-1].stop
 
 
 @dataclass(frozen=True)
 class PackPlan:
+    """A whole pack, decided before any byte is written.
+
+    Attributes:
+        items: every item of the source, in order.
+        tasks: the tasks, in order; their shards cover the items.
+        plan_id: the plan's fingerprint: items, their sizes and the options.
+        total_bytes: the items' bytes in shards.
+    """
+
     items: list[SourceItem]
     tasks: list[TaskPlan]
     plan_id: str
@@ -53,6 +67,7 @@ class PackPlan:
 
     @property
     def num_shards(self) -> int:
+        """The shards of all tasks."""
         return sum(len(t.shards) for t in self.tasks)
 
 
@@ -61,6 +76,14 @@ def plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | 
 
     Items' ``nbytes`` count their tar framing; the shard's end-of-archive blocks are kept free
     too, so a shard of two or more samples never exceeds ``shard_bytes``.
+
+    Args:
+        items: the source's items, in order.
+        shard_bytes: the target shard size.
+        shard_samples: also close a shard at this many items (None: no limit).
+
+    Returns:
+        The shards, numbered from 0, covering the items in order.
     """
     budget = shard_bytes - len(END_OF_ARCHIVE)
     spans: list[ShardSpan] = []
@@ -78,11 +101,20 @@ def plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | 
 
 
 def plan_tasks(items: list[SourceItem], spans: list[ShardSpan], task_bytes: int, shard_bytes: int) -> list[TaskPlan]:
-    """Group consecutive shards into tasks of about ``target`` bytes.
+    """Group consecutive shards into tasks of about a target size.
 
-    The target aims at ~TARGET_TASKS tasks so a cluster has parallel work, but never below one
-    shard nor above ``task_bytes``. It depends only on the data and options, never on the
+    The target aims at about TARGET_TASKS tasks so a cluster has parallel work, but never below
+    one shard nor above ``task_bytes``. It depends only on the data and options, never on the
     number of workers, so the local and Ray engines produce the same files.
+
+    Args:
+        items: the source's items, in order.
+        spans: the shards (:func:`plan_shards`).
+        task_bytes: the most bytes a task packs.
+        shard_bytes: the target shard size.
+
+    Returns:
+        The tasks, numbered from 0, each a run of consecutive shards.
     """
     total = sum(it.nbytes for it in items)
     target = min(task_bytes, max(shard_bytes, total // TARGET_TASKS))
@@ -103,6 +135,18 @@ def plan_tasks(items: list[SourceItem], spans: list[ShardSpan], task_bytes: int,
 
 def make_plan(items: list[SourceItem], *, shard_bytes: int, shard_samples: int | None, task_bytes: int,
               options: dict[str, object]) -> PackPlan:
+    """Plan a pack: its shards, its tasks and the plan's fingerprint.
+
+    Args:
+        items: the source's items, in order.
+        shard_bytes: the target shard size.
+        shard_samples: also close a shard at this many items (None: no limit).
+        task_bytes: the most bytes a task packs.
+        options: the other settings that make two plans differ (on_error, transform, source).
+
+    Returns:
+        The plan.
+    """
     spans = plan_shards(items, shard_bytes, shard_samples)
     tasks = plan_tasks(items, spans, task_bytes, shard_bytes)
     h = xxhash.xxh3_128()

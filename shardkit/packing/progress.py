@@ -12,8 +12,20 @@ from typing import Any
 
 from tqdm import tqdm
 
+__all__ = ["Progress"]
+
 
 class Progress:
+    """A tqdm bar counting samples, with the rate and tasks done after it; a context manager.
+
+    Args:
+        total_items: the samples expected (None: unknown, no ETA).
+        total_bytes: the bytes expected (unused: the bar counts samples).
+        total_tasks: the tasks expected.
+        desc: the bar's label.
+        enabled: show it (False: every call does nothing visible).
+    """
+
     def __init__(self, total_items: int | None, total_bytes: int | None, total_tasks: int, desc: str,
                  enabled: bool = True) -> None:
         self.total_tasks = total_tasks
@@ -26,6 +38,12 @@ class Progress:
         self._last_postfix = 0.0
 
     def advance(self, items: int, nbytes: int) -> None:
+        """Count ``items`` more samples of ``nbytes`` bytes.
+
+        Args:
+            items: samples done.
+            nbytes: their bytes.
+        """
         self.items += items
         self.bytes += nbytes
         self._bar.update(items)
@@ -34,6 +52,7 @@ class Progress:
             self._postfix(now)
 
     def task_done(self) -> None:
+        """Count one more task done."""
         self.tasks_done += 1
         self._postfix(time.monotonic())
 

@@ -13,10 +13,20 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import xxhash
 
+from shardkit.errors import SourceError
+
+__all__ = ["MANIFEST_COLUMNS", "MAX_KEY", "FieldValue", "PackSample", "StreamedField", "case_clash",
+           "case_clash_reason", "check_field_name", "safe_key"]
+
 
 @dataclass(frozen=True)
 class StreamedField:
-    """A member body produced in chunks; ``chunks()`` must yield exactly ``size`` bytes."""
+    """A member body produced in chunks.
+
+    Attributes:
+        size: the body's length; ``chunks()`` must yield exactly this many bytes.
+        chunks: makes a fresh iterator over the body's pieces (called once per write).
+    """
 
     size: int
     chunks: Callable[[], Iterator[bytes]]
@@ -41,6 +51,7 @@ class PackSample:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
+        """The bytes of the sample's member bodies."""
         return sum(v.size if isinstance(v, StreamedField) else len(v) for v in self.fields.values())
 
 
@@ -60,8 +71,13 @@ def safe_key(raw: str | bytes) -> str:
     hold no dot and no slash. Unsafe characters become ``_`` and, when anything changed, an
     8-hex xxh64 of the original is appended so two different originals never collide; keys
     longer than ``MAX_KEY`` are cut and get the same suffix, so extracted members stay valid
-    file names.
-    Deterministic: the same input always gives the same key.
+    file names. Deterministic: the same input always gives the same key.
+
+    Args:
+        raw: the identifier (text, or bytes that may not be UTF-8).
+
+    Returns:
+        The key: letters, digits, ``_`` and ``-`` only, at most ``MAX_KEY`` characters.
     """
     raw_bytes = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
     text = raw_bytes.decode("utf-8", "replace")
@@ -78,6 +94,12 @@ def case_clash(fields: Iterable[str]) -> tuple[str, str] | None:
     The webdataset library lowercases every field name (``group_by_keys(lcase=True)``, with
     ``str.lower``) and refuses a sample where two come out the same ("duplicate file name in
     tar file"), so such a sample is unreadable to it.
+
+    Args:
+        fields: a sample's field names.
+
+    Returns:
+        The first such pair, in sorted order, or None.
     """
     seen: dict[str, str] = {}
     for name in sorted(fields):
@@ -88,13 +110,28 @@ def case_clash(fields: Iterable[str]) -> tuple[str, str] | None:
 
 
 def case_clash_reason(first: str, second: str) -> str:
+    """Why a sample with fields ``first`` and ``second`` (differing only in case) is refused.
+
+    Args:
+        first: one field name.
+        second: the other.
+
+    Returns:
+        The reason, for an error message.
+    """
     return (f"fields {first!r} and {second!r} differ only in case; the webdataset library lowercases field "
             "names and refuses such a sample: rename one")
 
 
 def check_field_name(name: str) -> None:
-    """Refuse field names that would break WebDataset grouping or tar paths."""
-    from shardkit.errors import SourceError
+    """Refuse a field name that would break WebDataset grouping or tar paths.
 
+    Args:
+        name: the field name.
+
+    Raises:
+        SourceError: it holds characters other than letters, digits, ``_``, ``-`` and ``.``
+            separators.
+    """
     if not _FIELD_OK.match(name):
         raise SourceError(f"invalid field name {name!r}: use letters, digits, '_', '-' and '.' separators")

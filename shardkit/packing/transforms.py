@@ -11,17 +11,31 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from shardkit.errors import ConfigError, SourceError
+from shardkit.format.fields import PACK_IMAGE_EXTS
 from shardkit.packing.sample import PackSample, StreamedField
 
-IMAGE_FIELDS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif"})
+__all__ = ["IMAGE_FIELDS", "ImageTransform", "transform_from_options"]
+
+IMAGE_FIELDS = PACK_IMAGE_EXTS  # the fields a transform re-encodes
 _FORMATS = {"jpeg": ("JPEG", "jpg"), "jpg": ("JPEG", "jpg"), "webp": ("WEBP", "webp"), "png": ("PNG", "png")}
 
 
 @dataclass(frozen=True)
 class ImageTransform:
-    """Re-encode (``reencode="jpeg:90"``), resize (shorter side), swap BGR->RGB, or pre-decode."""
+    """Re-encode (``reencode="jpeg:90"``), resize (shorter side), swap BGR->RGB, or pre-decode.
+
+    Attributes:
+        reencode: ``jpeg[:Q]``, ``webp[:Q]`` or ``png``.
+        resize: the shorter side to resize to, in pixels.
+        bgr_to_rgb: swap the channels of 3-channel images.
+        predecode: store images decoded, as uint8 HxWxC ``.npy``.
+
+    Raises:
+        ConfigError: a bad format or size, or ``predecode`` with ``reencode``.
+    """
 
     reencode: str | None = None
     resize: int | None = None
@@ -39,9 +53,21 @@ class ImageTransform:
             raise ConfigError("--predecode and --reencode exclude each other")
 
     def describe(self) -> dict[str, Any]:
+        """The options set, as dataset.json records the transform."""
         return {k: v for k, v in asdict(self).items() if v}
 
     def __call__(self, sample: PackSample) -> PackSample:
+        """Apply the transform to every image field of ``sample``.
+
+        Args:
+            sample: the sample as its source loaded it.
+
+        Returns:
+            A new sample (an image field may change its name: ``x.png`` -> ``x.npy``).
+
+        Raises:
+            SourceError: an image field is no readable image.
+        """
         fields = dict(sample.fields)
         for name in [n for n in fields if n.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS]:
             value = fields.pop(name)
@@ -52,8 +78,6 @@ class ImageTransform:
         return PackSample(sample.key, fields, sample.meta)
 
     def _apply(self, name: str, data: bytes, key: str) -> tuple[str, bytes]:
-        from PIL import Image
-
         try:
             img: Image.Image = Image.open(io.BytesIO(data))
             img.load()
@@ -85,6 +109,20 @@ class ImageTransform:
 
 def transform_from_options(*, reencode: str | None = None, resize: int | None = None, bgr_to_rgb: bool = False,
                            predecode: bool = False) -> ImageTransform | None:
+    """The transform the CLI's options ask for, or None when they ask for none.
+
+    Args:
+        reencode: ``--reencode``.
+        resize: ``--resize``.
+        bgr_to_rgb: ``--bgr-to-rgb``.
+        predecode: ``--predecode``.
+
+    Returns:
+        The transform, or None.
+
+    Raises:
+        ConfigError: as :class:`ImageTransform`.
+    """
     if not (reencode or resize or bgr_to_rgb or predecode):
         return None
     return ImageTransform(reencode, resize, bgr_to_rgb, predecode)

@@ -14,12 +14,11 @@ from typing import Any, Callable
 import numpy as np
 
 from shardkit.errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
+from shardkit.format.fields import IMAGE_EXTS, TEXT_EXTS
 
 __all__ = ["IMAGE_EXTS", "LABEL_EXTS", "META_KEYS", "TEXT_EXTS", "Decoder", "decode_error", "decode_field",
            "field_ext", "make_decoder", "npy_view", "raw"]
 
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm"})
-TEXT_EXTS = frozenset({"txt", "text", "transcript"})
 LABEL_EXTS = ("cls", "cls2", "index", "label")  # an integer class label in ASCII
 META_KEYS = ("__key__", "__index__", "__shard__")
 

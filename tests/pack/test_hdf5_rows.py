@@ -15,7 +15,7 @@ h5py = pytest.importorskip("h5py")
 import shardkit  # noqa: E402
 from shardkit.errors import SourceError  # noqa: E402
 from shardkit.packing.sample import StreamedField  # noqa: E402
-from shardkit.packing.sources import hdf5 as hdf5mod  # noqa: E402
+from shardkit.packing.sources import hdf5_rows as hdf5mod  # noqa: E402
 from shardkit.packing.sources.hdf5 import Hdf5Source  # noqa: E402
 from test_sources_arrays import body, saved  # noqa: E402
 

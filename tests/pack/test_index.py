@@ -426,7 +426,7 @@ def test_members_webdataset_skips_or_reads_are_indexed_as_it_reads_them(tmp_path
     and the sample's checksum covers them; a big one is not buffered (MAX_GAP stays small)."""
     import xxhash
 
-    from shardkit.packing import index
+    from shardkit.packing import index_scan as index
 
     monkeypatch.setattr(index, "MAX_GAP", 4096)
     members = [("__meta__", b"m"), ("README", b"read me"), ("0001.jpg", b"J1"), ("._0001.jpg", b"apple" * 3000),

@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardkit
-from shardkit.packing import pack as packer
-from shardkit.packing import writer
+from shardkit.packing import iterable as packer
+from shardkit.packing import tar_shard, upload
+from shardkit.format import fragments
 from shardkit.format.fragments import FragmentBuilder
 from shardkit.format.manifest import SHARD_CHECKSUMS_KEY, parquet_file, sample_table
 from shardkit.format.rows import SampleRows, ShardRecord
@@ -68,14 +69,14 @@ def test_pack_iterable_keeps_no_python_row_per_sample(s3_server, s3_bucket, monk
     monkeypatch.setattr(packer, "ITERABLE_FRAGMENT_ROWS", FRAGMENT_ROWS)
     # One shard's part uploading at a time, not up to 16 MiB of them queued (as many as the
     # upload lags behind: not a cost of the rows, and not the same from one run to the next).
-    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 2**20)
+    monkeypatch.setattr(upload, "INFLIGHT_BYTES", 2**20)
     so = s3_server.storage_options()
     url = f"{s3_bucket}/ds"
     # Import and set up everything a pack uses first; then the growth from a small pack to a
     # big one is what the samples cost: fixed costs (a shard's part buffer, the rows of small
     # shards gathered into a piece) are the same in both.
     shardkit.pack(tiny(2000), f"{s3_bucket}/warm", shard_bytes="1MB", storage_options=so, progress=False)
-    small = 2 * writer.PIECE_ROWS
+    small = 2 * tar_shard.PIECE_ROWS
     _, base = traced_pack(small, f"{s3_bucket}/small", so)
     info, peak = traced_pack(N, url, so)
     per_sample = (peak - base) / (N - small)
@@ -108,7 +109,7 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
     table of small rows) hands its rows over in pieces as the shard is written: the heap's
     peak during the task grows far less per sample than the ~1 KB a row as Python objects took."""
     h5py = pytest.importorskip("h5py")
-    from shardkit.packing.pack import PackOptions, run_task
+    from shardkit.packing.task import PackOptions, TaskResult, run_task
     from shardkit.packing.plan import make_plan
     from shardkit.packing.sources import resolve_source
     from shardkit.storage.store import Store
@@ -117,10 +118,10 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
     opts = PackOptions(512 * 10**6, None, 2 * 10**9, "raise")
     # Parts of 5 MiB (the least S3 takes), not 16: both runs below fill more than two, so the
     # two part buffers a shard holds (one filling, one uploading) cost both the same.
-    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
-    monkeypatch.setattr(writer, "INFLIGHT_BYTES", 5 * 2**20)
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(upload, "INFLIGHT_BYTES", 5 * 2**20)
 
-    def task(n: int) -> tuple[packer.TaskResult, int, Store]:
+    def task(n: int) -> tuple[TaskResult, int, Store]:
         path = tmp_path / f"rows{n}.h5"
         with h5py.File(path, "w") as f:
             f["x"] = np.arange(n * 4, dtype="<f4").reshape(n, 4)
@@ -138,7 +139,7 @@ def test_a_task_of_tiny_samples_keeps_no_python_row_per_sample(s3_server, s3_buc
             tracemalloc.stop()
 
     task(1000)  # imports, clients
-    small, big = 2 * writer.PIECE_ROWS, 60_000  # both past one piece of rows
+    small, big = 2 * tar_shard.PIECE_ROWS, 60_000  # both past one piece of rows
     _, base, _ = task(small)
     result, peak, store = task(big)
     per_sample = (peak - base) / (big - small)
@@ -214,7 +215,7 @@ def _rows(shard: int, metas: list[dict[str, Any]], start: int) -> SampleRows:
     return rows
 
 
-@pytest.mark.parametrize("piece_rows", [writer.PIECE_ROWS, 50])
+@pytest.mark.parametrize("piece_rows", [fragments.PIECE_ROWS, 50])
 def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeypatch):
     """FragmentBuilder types metadata columns per piece of rows; the fragment it writes is the
     bytes of one table of every row, whose columns pyarrow types as a whole: where pieces
@@ -222,7 +223,7 @@ def test_fragment_is_byte_identical_to_one_table_of_all_rows(piece_rows, monkeyp
     column some pieces lack or hold only None in), with shards given in pieces or at once,
     small shards' rows gathered into one piece (all of them, or every 50 rows), rows of an
     abandoned shard dropped, and empty shards among them."""
-    monkeypatch.setattr(writer, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(fragments, "PIECE_ROWS", piece_rows)
     metas: list[list[dict[str, Any]]] = []
     for s in range(6):
         shard = []

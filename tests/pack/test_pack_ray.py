@@ -274,7 +274,7 @@ def test_unreachable_ray_address_fails_at_once(tmp_path):
     import time
 
     from shardkit.errors import ShardkitError
-    from shardkit.packing.ray_engine import probe_ray_address
+    from shardkit.packing.engines.ray import probe_ray_address
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -309,11 +309,11 @@ def test_rerun_with_other_settings_is_told_what_differs(tmp_path):
 
 def _pause_after_claim(monkeypatch: pytest.MonkeyPatch, thread_name: str) -> tuple[threading.Event, threading.Event]:
     """Hold the pack running in the thread ``thread_name`` right after it has claimed its
-    destination (``_sweep_temp`` is the next step of ``pack``), until ``go`` is set."""
+    destination (``sweep_temp`` is the next step of ``pack``), until ``go`` is set."""
     import shardkit.packing.pack as packer
 
     claimed, go = threading.Event(), threading.Event()
-    real = packer._sweep_temp
+    real = packer.sweep_temp
 
     def hook(store: Any) -> None:
         if threading.current_thread().name == thread_name:
@@ -321,7 +321,7 @@ def _pause_after_claim(monkeypatch: pytest.MonkeyPatch, thread_name: str) -> tup
             go.wait(60)
         real(store)
 
-    monkeypatch.setattr(packer, "_sweep_temp", hook)
+    monkeypatch.setattr(packer, "sweep_temp", hook)
     return claimed, go
 
 
@@ -557,7 +557,7 @@ def test_pack_never_deletes_objects_it_did_not_write(tmp_path, s3_server, s3_buc
 def test_rerun_of_a_failed_pack_still_sweeps_its_leftovers(tmp_path, monkeypatch):
     """An earlier pack's claim (_pack/plan.json) says what is under shards/ is shardkit's: the
     rerun resumes and removes what is not part of the dataset, as before."""
-    import shardkit.packing.pack as packer
+    import shardkit.packing.engines.local as packer
 
     src = _small_folder(tmp_path / "src")
     dest = tmp_path / "ds"
@@ -631,7 +631,7 @@ def test_multipart_uploads_not_listable_only_warn(tmp_path, s3_server, s3_bucket
 
     monkeypatch.setattr(Store, "abort_uploads", denied)
     src = _small_folder(tmp_path / "src")
-    with caplog.at_level("WARNING", logger="shardkit.packing.pack"):
+    with caplog.at_level("WARNING", logger="shardkit.packing.destination"):
         info = shardkit.pack(str(src), f"{s3_bucket}/ds", shard_samples=3, storage_options=s3_server.storage_options(),
                              progress=False)
     assert info["num_samples"] == 6
@@ -647,7 +647,7 @@ def _intact(dest: str, info: dict[str, Any], opts: dict[str, Any] | None = None)
 def test_overwrite_that_cannot_start_leaves_the_old_dataset(tmp_path, s3_server, s3_bucket, monkeypatch):
     """--overwrite removes the old dataset when the pack starts: only once everything that can
     be checked first was (options, source, its listing, the plan, the claim, Ray)."""
-    import shardkit.packing.ray_engine
+    import shardkit.packing.engines.ray
     from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError
 
     def unreachable(address: str | None) -> None:
@@ -655,7 +655,7 @@ def test_overwrite_that_cannot_start_leaves_the_old_dataset(tmp_path, s3_server,
         # session's local Ray whatever the address if an earlier test started it.
         raise ShardkitError(f"cannot reach Ray at {address}: nothing answers")
 
-    monkeypatch.setattr(shardkit.packing.ray_engine, "ensure_ray", unreachable)
+    monkeypatch.setattr(shardkit.packing.engines.ray, "ensure_ray", unreachable)
     opts = s3_server.storage_options()
     dest = f"{s3_bucket}/ds"
     src = _small_folder(tmp_path / "src")

@@ -229,7 +229,8 @@ def test_listing_a_big_folder_keeps_memory_per_file_small(tmp_path: Path) -> Non
 
 def test_item_sizes_are_what_the_writer_writes(tmp_path: Path) -> None:
     # The planner closes shards on these sizes: they must count tar headers and padding.
-    from shardkit.packing.sources.files import FileListSource, FolderSource, ImageFolderSource
+    from shardkit.packing.sources.filelist import FileListSource
+    from shardkit.packing.sources.files import FolderSource, ImageFolderSource
     from shardkit.packing.writer import tar_size
 
     src = tmp_path / "src"

@@ -219,9 +219,9 @@ def _write_all(store: Store, samples: list[PackSample], shard_bytes: int) -> Sha
 
 def test_s3_parts_single_puts_and_the_s3fs_fallback_write_the_same_bytes(
         tmp_path: Path, s3_bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.packing import writer
+    from shardkit.packing import tar_shard
 
-    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)  # the S3 minimum: several parts per shard
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 5 * 2**20)  # the S3 minimum: several parts per shard
     opts = s3_server.storage_options()  # type: ignore[attr-defined]
     samples = _mixed_samples()
     local = _write_all(Store(str(tmp_path / "local")), samples, 9 * 10**6)
@@ -264,10 +264,10 @@ class _FailingClient:
 
 def test_failed_part_aborts_the_upload_and_skips_later_shards(
         s3_bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.packing import writer
+    from shardkit.packing import tar_shard
     from shardkit.errors import StoragePermissionError
 
-    monkeypatch.setattr(writer, "PART_BYTES", 5 * 2**20)
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 5 * 2**20)
     opts = s3_server.storage_options()  # type: ignore[attr-defined]
     store = Store(f"{s3_bucket}/fail", opts)
     real = store.boto3_client()
@@ -286,7 +286,7 @@ def test_failed_part_aborts_the_upload_and_skips_later_shards(
 def test_uploader_keeps_order_stops_at_the_first_error_and_bounds_bytes_in_flight() -> None:
     import threading
 
-    from shardkit.packing.writer import Uploader
+    from shardkit.packing.upload import Uploader
 
     up = Uploader(max_bytes=10)
     gate = threading.Event()

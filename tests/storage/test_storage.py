@@ -302,7 +302,7 @@ def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pyte
 
 
 def test_ray_tasks_read_s3_tars_where_the_driver_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    from shardkit.packing.ray_engine import for_tasks
+    from shardkit.packing.engines.ray import for_tasks
     from shardkit.packing.sources import FolderSource
     from shardkit.packing.sources.wds import WdsTarSource
 

@@ -1,149 +1,18 @@
-"""Adapters from inputs to pack sources; :func:`resolve_source` picks one for a path."""
+"""Pack sources: how the planner sees any input, and the adapters from inputs to it.
+
+:func:`resolve_source` picks a source for a path, glob or URL; the source classes can also be
+made and passed to :func:`shardkit.pack` directly.
+"""
 
 from __future__ import annotations
 
-import glob as _glob
-import os
-import re
-from pathlib import Path
-from typing import Any, Iterator
-
-from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
-from shardkit.storage.store import refuse_url_credentials
 from shardkit.packing.sources.base import Source, SourceItem
-from shardkit.packing.sources.files import FileListSource, FolderSource, ImageFolderSource
+from shardkit.packing.sources.filelist import FileListSource
+from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+from shardkit.packing.sources.hdf5 import Hdf5Source
+from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.resolve import resolve_source
+from shardkit.packing.sources.wds import WdsTarSource
 
-__all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "resolve_source"]
-
-_HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
-_COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
-_BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
-
-
-def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
-                   hdf5_rows: str | None = None) -> Source:
-    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
-
-    Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
-    (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
-    arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
-    ``labels_from_dirs``). ``hdf5_rows`` with a source that is not HDF5 is
-    a ConfigError, not silently ignored.
-    """
-    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
-    if hdf5_rows is not None:
-        from shardkit.packing.sources.hdf5 import Hdf5Source
-
-        if not isinstance(src, Hdf5Source):
-            raise ConfigError(f"hdf5_rows (--hdf5-rows {hdf5_rows}) applies to HDF5 sources only; "
-                              f"{source} is a {src.describe().get('type', type(src).__name__)} source")
-    return src
-
-
-# What shardkit keeps beside the tars of a folder it indexed (``shardkit index DIR``), and a
-# pack's claim folder: not input, so not "other files" when that folder is packed as tars.
-_DATASET_OWN = ("dataset.json", "manifest", "_pack")
-
-
-def _files(path: Path) -> Iterator[Path]:
-    """Every file under ``path``, hidden ones aside, and a committed dataset's own files
-    (``dataset.json``, ``manifest/``, ``_pack/``) when ``path`` is one (a generator: a folder
-    may hold 20 M)."""
-    own = _DATASET_OWN if (path / "dataset.json").is_file() else ()
-    return (p for p in path.rglob("*")
-            if p.is_file() and not p.name.startswith(".") and p.relative_to(path).parts[0] not in own)
-
-
-def _mixed_tars(path: Path) -> str:
-    """The refusal for a folder of ``.tar`` files and other files: packed as a keyed folder,
-    each tar would become one opaque sample (field ``tar``), silently; as tars, the other
-    files would be dropped, silently. Neither is safe to guess. (Lists the folder again: only
-    on this error.)"""
-    tars, others, compressed = 0, [], []
-    for p in _files(path):
-        if p.suffix.lower() == ".tar":
-            tars += 1
-        else:
-            others.append(p.relative_to(path))
-            if p.name.lower().endswith(_COMPRESSED_TARS):
-                compressed.append(p.relative_to(path))
-    shown = min(compressed or others)
-    what = f"{shown}: compressed tars are not supported, decompress it to .tar" if compressed else str(shown)
-
-    def count(n: int, noun: str) -> str:
-        return f"{n} {noun}{'' if n == 1 else 's'}"
-
-    return (f"source {path} holds {count(tars, '.tar file')} and {count(len(others), 'other file')} ({what}): "
-            "a folder of WebDataset tars must hold only .tar files; move the other files out, or the tars into "
-            "a folder of their own")
-
-
-def _local_glob(pattern: Path) -> Source:
-    """WebDataset tars matching a local glob (``dir/shard-*.tar``), read as a glob of
-    ``s3://`` tars is; anything else it matches is refused, not read as a tar."""
-    from shardkit.packing.sources.wds import WdsTarSource
-
-    matches = sorted(p for p in _glob.glob(str(pattern), recursive=True) if os.path.isfile(p))
-    if not matches:
-        raise SourceNotFoundError(f"source {pattern}: no files match this pattern")
-    others = [p for p in matches if not p.lower().endswith(".tar")]
-    if others:
-        raise SourceError(f"source {pattern}: a glob is read as WebDataset tars, but it matches {others[0]} "
-                          f"({len(others)} files that are not .tar)")
-    return WdsTarSource(str(pattern))
-
-
-def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
-             hdf5_rows: str | None) -> Source:
-    if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
-        return source
-    if not isinstance(source, (str, os.PathLike)):
-        raise SourceError(f"unsupported source {type(source).__name__}: pass a path, URL, Source or iterable of dicts")
-    text = str(source)
-    refuse_url_credentials(text, "source")  # before any message repeats the URL
-    if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
-        from shardkit.packing.sources.wds import WdsTarSource
-        return WdsTarSource(text, storage_options=storage_options)
-    if "://" in text and not text.startswith("file://"):
-        if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
-            from shardkit.packing.sources.wds import WdsTarSource
-            return WdsTarSource(text, storage_options=storage_options)
-        raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
-    # Absolute: Ray tasks on an existing cluster run in another working directory.
-    path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
-    if not path.exists() and _glob.has_magic(str(path)):  # a file named "[a].tar" is read as itself
-        return _local_glob(path)
-    if not path.exists():
-        raise SourceNotFoundError(f"source {path} does not exist")
-    suffix = path.suffix.lower()
-    if path.is_file():
-        if suffix in (".csv", ".parquet", ".pq"):
-            return FileListSource(path)
-        if suffix in _HDF5:
-            from shardkit.packing.sources.hdf5 import Hdf5Source
-            return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
-        if suffix in (".npy", ".npz"):
-            from shardkit.packing.sources.npy import NpySource
-            return NpySource([str(path)])
-        if suffix == ".tar":
-            from shardkit.packing.sources.wds import WdsTarSource
-            return WdsTarSource(str(path))
-        raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
-    if labels_from_dirs:
-        return ImageFolderSource(path)
-    suffixes = {p.suffix.lower() for p in _files(path)}
-    if not suffixes:
-        raise SourceError(f"source {path} holds no files")
-    if ".tar" in suffixes:
-        if suffixes != {".tar"}:
-            raise SourceError(_mixed_tars(path))
-        from shardkit.packing.sources.wds import WdsTarSource
-        return WdsTarSource(str(path))
-    if suffixes <= {".npy", ".npz"}:
-        from shardkit.packing.sources.npy import NpySource
-        return NpySource(str(path))
-    if suffixes <= set(_HDF5):
-        from shardkit.packing.sources.hdf5 import Hdf5Source
-        return Hdf5Source(sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in _HDF5),
-                          datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
-    return FolderSource(path)
+__all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "Hdf5Source", "NpySource",
+           "WdsTarSource", "resolve_source"]

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import PackSample
 from shardkit.format.tar import member_bytes
+from shardkit.packing.sample import PackSample
+
+__all__ = ["ListingSkips", "Source", "SourceItem", "item_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,15 @@ def item_bytes(key: str, fields: Iterable[tuple[str, int]]) -> int:
     """A :attr:`SourceItem.nbytes` for a sample of these (field name, body size) members: the
     bytes the writer puts in a shard for it, tar headers and padding included. Counting bodies
     alone let shards of small samples (an HDF5 row of 8 bytes takes 1,024) grow several times
-    past ``shard_bytes``."""
+    past ``shard_bytes``.
+
+    Args:
+        key: the sample's key.
+        fields: (field name, body size) of each member.
+
+    Returns:
+        The bytes the sample takes in a shard.
+    """
     return sum(member_bytes(f"{key}.{name}", size) for name, size in fields)
 
 
@@ -58,7 +68,14 @@ class Source(Protocol):
         ...
 
     def load(self, item: SourceItem) -> PackSample:
-        """Read one item; raises SourceError naming ``item.ref`` on bad input."""
+        """Read one item (in a pack task); raises SourceError naming ``item.ref`` on bad input.
+
+        Args:
+            item: one of :meth:`list_items`.
+
+        Returns:
+            The sample.
+        """
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -75,12 +92,26 @@ class ListingSkips:
     """Bad entries a source meets while listing (a file named ``README`` in a folder of
     ``<key>.<field>`` files, a file list's row naming a missing file): with
     ``on_error="skip"`` they are left out and listed in dataset.json's ``skipped`` like bad
-    samples, else the first one raises."""
+    samples, else the first one raises.
+
+    Attributes:
+        skip: leave bad entries out (``on_error="skip"``) rather than raise.
+        skipped: the entries left out, as dataset.json lists them.
+    """
 
     skip: bool = False
     skipped: list[dict[str, str]] = field(default_factory=list)
 
     def bad(self, ref: str, reason: str) -> None:
+        """A bad entry: left out and listed, or raised.
+
+        Args:
+            ref: the entry (a path, a row).
+            reason: what is wrong with it.
+
+        Raises:
+            SourceError: ``reason``, unless :attr:`skip`.
+        """
         if not self.skip:
             raise SourceError(reason)
         log.warning("skipped %s: %s", ref, reason)

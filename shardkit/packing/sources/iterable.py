@@ -16,12 +16,28 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, safe_key
+from shardkit.packing.sample import (MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash,
+                                     case_clash_reason, safe_key)
+
+__all__ = ["encode_value", "samples_from_iterable"]
 
 log = logging.getLogger(__name__)
 
 
 def encode_value(key: str, field: str, value: Any) -> FieldValue:
+    """A sample dict's value as a member body, encoded by its type (see the module docstring).
+
+    Args:
+        key: the sample's key, for the error.
+        field: the field, for the error.
+        value: the value.
+
+    Returns:
+        The body: bytes, or a StreamedField passed through.
+
+    Raises:
+        SourceError: a type with no encoding.
+    """
     if isinstance(value, (bytes, StreamedField)):
         return value
     if isinstance(value, (bytearray, memoryview)):
@@ -47,9 +63,19 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
                           skipped: list[dict[str, str]] | None = None) -> Iterator[PackSample]:
     """Validate and encode dict samples; keys default to the running index.
 
-    Field names are lowercased, as the webdataset library reads them. A bad item raises a
-    SourceError naming it; with ``skipped`` given (``on_error="skip"``) it is left out and
-    recorded there instead, as dataset.json's ``skipped`` lists bad samples.
+    Field names are lowercased, as the webdataset library reads them.
+
+    Args:
+        items: the sample dicts.
+        skipped: with ``on_error="skip"``, gets each bad item (left out) as dataset.json's
+            ``skipped`` lists bad samples; None raises on the first.
+
+    Yields:
+        The samples, in order.
+
+    Raises:
+        SourceError: naming a bad item (not a dict, a repeated key, no fields, a reserved
+            ``__meta__`` name, fields differing only in case, a value of no supported type).
     """
     seen: set[str] = set()
     for i, item in enumerate(items):

@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - numpy 1.x
 
 PathLike = Union[str, os.PathLike]
 
+__all__ = ["NpySource"]
+
 
 def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
     """The exact bytes ``np.save`` writes before the data of a C-ordered array.
@@ -95,6 +97,9 @@ class NpySource:
 
     Keys are :func:`safe_key` of the path relative to the directory (or to the files' common
     parent) without extension; meta ``source`` is that relative path.
+
+    Raises:
+        SourceError: no paths given.
     """
 
     def __init__(self, paths_or_dir: PathLike | Sequence[PathLike]) -> None:
@@ -136,7 +141,16 @@ class NpySource:
         return sorted(out, key=lambda t: t[1])
 
     def list_items(self) -> list[SourceItem]:
-        """One item per file; reads only the .npy headers (and the npz directory)."""
+        """One item per file; reads only the .npy headers (and the npz directory).
+
+        Returns:
+            The items, sorted by relative path; ``ref`` is the file's path.
+
+        Raises:
+            SourceNotFoundError: a path does not exist.
+            SourceError: a file is no .npy/.npz, a header is bad or disagrees with the file's
+                size, an npz member is no array, or two files share a key.
+        """
         if len(self.paths) == 1 and not os.path.exists(self.paths[0]):
             raise SourceNotFoundError(f"{self.paths[0]}: no such file or directory")
         items: list[SourceItem] = []
@@ -197,7 +211,19 @@ class NpySource:
     # -- loading ---------------------------------------------------------------------------
 
     def load(self, item: SourceItem) -> PackSample:
-        """Read one file; members larger than CHUNK_BYTES become StreamedFields."""
+        """Read one file.
+
+        Args:
+            item: one of :meth:`list_items`.
+
+        Returns:
+            The sample (field ``npy``, or ``<array>.npy`` per npz member); members larger than
+            CHUNK_BYTES become StreamedFields.
+
+        Raises:
+            SourceNotFoundError: the file is gone.
+            SourceError: the file changed or is unreadable.
+        """
         path = item.ref
         rel = self._rel(path)
         fields: dict[str, FieldValue] = {}
@@ -218,9 +244,11 @@ class NpySource:
         return Path(os.path.relpath(path, self._root())).as_posix()
 
     def describe(self) -> dict[str, Any]:
+        """The source for dataset.json."""
         return {"type": "npy", "paths": list(self.paths)}
 
     def labels(self) -> dict[str, int] | None:
+        """None: arrays have no classes."""
         return None
 
 

@@ -21,13 +21,15 @@ import fsspec
 from braceexpand import braceexpand  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem
 
-from shardkit.format.streams import CHUNK_BYTES, iter_exact
 from shardkit.errors import SourceError, SourceNotFoundError, UnsafeTarError
-from shardkit.packing.sample import (FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, check_field_name,
-                      safe_key)
-from shardkit.storage.store import refuse_url_credentials
+from shardkit.format.streams import CHUNK_BYTES, iter_exact
 from shardkit.format.tarscan import TarMember, group_members, scan_tar, split_name
+from shardkit.packing.sample import (FieldValue, PackSample, StreamedField, case_clash, case_clash_reason,
+                                     check_field_name, safe_key)
 from shardkit.packing.sources.base import SourceItem
+from shardkit.storage.store import refuse_url_credentials
+
+__all__ = ["INLINE_LIMIT", "WdsTarSource"]
 
 #: Samples up to this many bytes are fetched with one ranged read; larger ones stream.
 INLINE_LIMIT = 64 * 1024 * 1024
@@ -67,6 +69,10 @@ class WdsTarSource:
 
     Keys are :func:`safe_key` of the original WebDataset key (directory prefix included);
     meta ``orig_key`` is the original key and ``source`` the tar URL.
+
+    Raises:
+        SourceError: no URLs given.
+        ConfigError: credentials in a URL.
     """
 
     def __init__(self, urls_or_dir: PathLike | Sequence[PathLike], storage_options: Mapping[str, Any] | None = None) -> None:
@@ -85,7 +91,15 @@ class WdsTarSource:
     # -- listing ---------------------------------------------------------------------------
 
     def tars(self) -> list[tuple[str, int]]:
-        """(url, size) of every tar, expanded and sorted."""
+        """(url, size) of every tar, expanded and sorted.
+
+        Returns:
+            The tars, in order.
+
+        Raises:
+            SourceNotFoundError: a URL, path or glob finds nothing.
+            SourceError: a folder holds no tars, or listing fails.
+        """
         out: list[tuple[str, int]] = []
         for url in self.urls:
             fs, path = _url_to_fs(url, self.storage_options)
@@ -120,7 +134,16 @@ class WdsTarSource:
         return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
     def list_items(self) -> list[SourceItem]:
-        """One item per sample, reading only tar headers."""
+        """One item per sample, reading only tar headers.
+
+        Returns:
+            The items; ``ref`` is ``<url>#<start>:<end>``, the byte range of the sample's members.
+
+        Raises:
+            SourceNotFoundError: a tar is missing.
+            UnsafeTarError: a hostile or malformed member.
+            SourceError: a bad field name, a repeated key, no samples, or a read failure.
+        """
         items: list[SourceItem] = []
         seen: dict[str, str] = {}
         for url, size in self.tars():
@@ -152,7 +175,19 @@ class WdsTarSource:
     # -- loading ---------------------------------------------------------------------------
 
     def load(self, item: SourceItem) -> PackSample:
-        """One ranged read of the sample's bytes, parsed and checked again."""
+        """One ranged read of the sample's bytes, parsed and checked again.
+
+        Args:
+            item: one of :meth:`list_items`.
+
+        Returns:
+            The sample; members over CHUNK_BYTES of a sample over INLINE_LIMIT stream.
+
+        Raises:
+            SourceNotFoundError: the tar is gone.
+            UnsafeTarError: a hostile or malformed member.
+            SourceError: the bytes no longer hold the sample, a bad field, or a read failure.
+        """
         url, _, rng = item.ref.rpartition("#")
         try:
             start, end = (int(x) for x in rng.split(":"))
@@ -188,9 +223,11 @@ class WdsTarSource:
         return PackSample(key=item.key, fields=fields, meta={"orig_key": orig, "source": url})
 
     def describe(self) -> dict[str, Any]:
+        """The source for dataset.json (URLs only: never the storage options)."""
         return {"type": "wds", "urls": list(self.urls)}
 
     def labels(self) -> dict[str, int] | None:
+        """None: tars have no class map."""
         return None
 
 

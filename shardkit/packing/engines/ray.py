@@ -17,22 +17,40 @@ import socket
 from typing import Any, Callable
 
 from shardkit.errors import ConfigError, ShardkitError
-from shardkit.packing.pack import PackOptions, TaskResult, completed_task, run_task
-from shardkit.packing.plan import PackPlan
+from shardkit.packing.plan import PackPlan, TaskPlan
 from shardkit.packing.progress import Progress
-from shardkit.packing.sources.base import Source
+from shardkit.packing.sources.base import Source, SourceItem
+from shardkit.packing.sources.wds import WdsTarSource
+from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_task
 from shardkit.storage.store import Store, with_env_location
+
+__all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address", "run_tasks_on_ray"]
 
 log = logging.getLogger(__name__)
 
+INSTALL_HINT = "engine='ray' needs Ray: pip install 'shardkit[ray]'"
+# Set before Ray starts: a local cluster on this machine only, and no usage reporting.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def ensure_ray(address: str | None) -> Any:
+    """Ray, initialised in this process (started locally or joined at ``address``).
+
+    Args:
+        address: a cluster address (``host:port``, ``ray://host:port``, ``auto``), or None for
+            ``RAY_ADDRESS`` or else a local Ray on this machine.
+
+    Returns:
+        The ``ray`` module, initialised.
+
+    Raises:
+        ConfigError: Ray is not installed (says how to install it).
+        ShardkitError: nothing answers at the address, or Ray fails to start.
+    """
     try:
-        import ray
+        import ray  # optional: only this engine needs it
     except ImportError as exc:
-        raise ConfigError("engine='ray' needs Ray: pip install 'shardkit[ray]'") from exc
+        raise ConfigError(INSTALL_HINT) from exc
     if ray.is_initialized():
         return ray
     for k, v in LOOPBACK_ENV.items():
@@ -51,9 +69,18 @@ def ensure_ray(address: str | None) -> Any:
 
 
 def probe_ray_address(address: str, timeout: float = 5.0) -> None:
-    """Fail at once, naming ``address``, when nothing listens at an explicit ``host:port``
-    (or ``ray://host:port``): ``ray.init`` would retry the GCS connection for ~14 minutes,
-    printing C++ warnings. ``local``, ``auto`` and other forms are left to Ray."""
+    """Fail at once, naming ``address``, when nothing listens at an explicit ``host:port``.
+
+    ``ray.init`` would retry the GCS connection for many minutes, printing C++ warnings.
+    ``local``, ``auto`` and other forms are left to Ray.
+
+    Args:
+        address: ``host:port`` or ``ray://host:port`` (anything else passes).
+        timeout: seconds to wait for the connection.
+
+    Raises:
+        ShardkitError: nothing answers there.
+    """
     rest = address[len("ray://"):] if address.startswith("ray://") else address
     if "://" in rest or rest in ("local", "auto"):
         return
@@ -70,10 +97,17 @@ def probe_ray_address(address: str, timeout: float = 5.0) -> None:
 
 
 def for_tasks(src: Source) -> Source:
-    """``src`` as tasks on other nodes must see it: WebDataset tars on S3 read from the endpoint
-    and region this driver resolved (:func:`~shardkit.storage.store.with_env_location`)."""
-    from shardkit.packing.sources.wds import WdsTarSource
+    """``src`` as tasks on other nodes must see it.
 
+    WebDataset tars on S3 are read from the endpoint and region this driver resolved
+    (:func:`~shardkit.storage.store.with_env_location`), whatever the nodes' environments say.
+
+    Args:
+        src: the pack's source.
+
+    Returns:
+        ``src``, or a copy of it with the S3 location pinned.
+    """
     if isinstance(src, WdsTarSource) and any(u.startswith(("s3://", "s3a://")) for u in src.urls):
         pinned = copy.copy(src)
         pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None
@@ -81,7 +115,8 @@ def for_tasks(src: Source) -> Source:
     return src
 
 
-def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: str, opts: PackOptions) -> TaskResult:
+def _remote_task(store: Store, source: Source, task: TaskPlan, items: list[SourceItem], plan_id: str,
+                 opts: PackOptions) -> TaskResult:
     # Skip work a killed earlier attempt (or a retry of this task) already finished.
     done = completed_task(store, task, plan_id)
     return done if done is not None else run_task(store, source, task, items, plan_id, opts)
@@ -89,8 +124,24 @@ def _remote_task(store: Store, source: Source, task: Any, items: Any, plan_id: s
 
 def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
                      address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
-    """Run the plan's tasks on Ray, at most a few per CPU at once. ``check`` is called before
-    each task is submitted (the pack's claim: it raises once another pack took over)."""
+    """Run the plan's tasks on Ray, at most a few per CPU at once.
+
+    Args:
+        store: the destination.
+        src: the source (pickled into every task: URLs, paths and options only).
+        plan: the pack's plan.
+        opts: the pack's options.
+        show: show a progress bar on stderr.
+        address: the Ray cluster (see :func:`ensure_ray`).
+        check: called before each task is submitted (the pack's claim: it raises once another
+            pack took the destination over).
+
+    Returns:
+        Every task's result, in plan order.
+
+    Raises:
+        ShardkitError: a task's own error (a bad input, a failed write), or Ray's.
+    """
     ray = ensure_ray(address)
     # The tasks write where this driver plans and commits, whatever endpoint their nodes'
     # environments name (a worker without AWS_ENDPOINT_URL would otherwise go to AWS itself).
@@ -130,3 +181,45 @@ def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOption
                 bar.advance(res.samples, res.bytes)
                 bar.task_done()
     return [results[t.task] for t in plan.tasks]
+
+
+class RayEngine:
+    """Runs a pack's tasks as Ray tasks, on a local Ray or a cluster.
+
+    Args:
+        address: the Ray cluster (see :func:`ensure_ray`); None for ``RAY_ADDRESS`` or a local Ray.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None) -> None:
+        self.address = address
+
+    def start(self) -> None:
+        """Reach Ray (or fail naming it) before the pack changes anything at its destination.
+
+        Raises:
+            ConfigError: Ray is not installed.
+            ShardkitError: Ray cannot be reached or started.
+        """
+        ensure_ray(self.address)
+
+    def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+            check: Callable[[], None]) -> list[TaskResult]:
+        """Run the plan's tasks on Ray (see :func:`run_tasks_on_ray`).
+
+        Args:
+            store: the destination.
+            src: the source.
+            plan: the pack's plan.
+            opts: the pack's options.
+            show: show a progress bar on stderr.
+            check: called before each task is submitted.
+
+        Returns:
+            Every task's result, in plan order.
+
+        Raises:
+            ShardkitError: a task's own error, or Ray's.
+        """
+        return run_tasks_on_ray(store, src, plan, opts, show, self.address, check)
