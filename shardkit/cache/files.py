@@ -105,16 +105,6 @@ def file_name(name: str) -> str:
     return q
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
 def write_replace(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp name of this process and a rename, so a
     reader sees the old file or the whole new one, never a part (OSError is the caller's)."""

@@ -39,13 +39,13 @@ from shardkit.cache.files import (
     hash_fd,
     list_with_stat,
     mark_used,
-    pid_alive,
     preallocate,
     stamp_verified,
     unlink_quiet,
     verified_stamp_ns,
 )
 from shardkit.config import human_bytes
+from shardkit.util.procs import pid_alive
 from shardkit.errors import (CacheFullError, CacheGoneError, ConfigError, IntegrityError, NoRoomError,
                              StorageStalledError)
 from shardkit.cache.kept_maps import KEPT

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from shardkit.cache.files import pid_alive
+from shardkit.util.procs import pid_alive
 from shardkit.packing.claim import CLAIM, Claim
 from shardkit.config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from shardkit.errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
