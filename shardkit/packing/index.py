@@ -37,7 +37,8 @@ from shardkit.format.manifest import (DATASET_JSON, SHARDS_PARQUET, commit, data
                        write_shards_table)
 from shardkit.packing.progress import Progress
 from shardkit.packing.sample import case_clash_reason
-from shardkit.storage.store import Store, attempts_for, is_transient, pause_before_retry, translate
+from shardkit.storage.retry import attempts_for, is_transient, pause_before_retry, translate
+from shardkit.storage.store import Store
 from shardkit.format.tarscan import TarMember, scan_tar, wds_split
 from shardkit.format.rows import SampleRows, ShardRecord
 

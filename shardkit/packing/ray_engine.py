@@ -21,7 +21,8 @@ from shardkit.packing.pack import PackOptions, TaskResult, completed_task, run_t
 from shardkit.packing.plan import PackPlan
 from shardkit.packing.progress import Progress
 from shardkit.packing.sources.base import Source
-from shardkit.storage.store import Store, with_env_location
+from shardkit.storage.options import with_env_location
+from shardkit.storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def probe_ray_address(address: str, timeout: float = 5.0) -> None:
 
 def for_tasks(src: Source) -> Source:
     """``src`` as tasks on other nodes must see it: WebDataset tars on S3 read from the endpoint
-    and region this driver resolved (:func:`~shardkit.storage.store.with_env_location`)."""
+    and region this driver resolved (:func:`~shardkit.storage.options.with_env_location`)."""
     from shardkit.packing.sources.wds import WdsTarSource
 
     if isinstance(src, WdsTarSource) and any(u.startswith(("s3://", "s3a://")) for u in src.urls):

@@ -30,8 +30,10 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from shardkit.errors import ConfigError, ShardkitError
-from shardkit.storage.store import (ShortRead, Store, attempts_for, boto_settings, is_short, is_transient, pause_before_retry, s3_client,
-                      translate)
+from shardkit.storage.options import boto_settings
+from shardkit.storage.retry import ShortRead, attempts_for, is_short, is_transient, pause_before_retry, translate
+from shardkit.storage.s3client import s3_client
+from shardkit.storage.store import Store
 
 __all__ = ["ByteCounter", "TOTAL", "read_into", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
 

@@ -1,156 +1,55 @@
-"""The one module that talks to fsspec.
+"""A dataset root on any fsspec filesystem: the one module that talks to fsspec.
 
 A :class:`Store` is a dataset root (any fsspec URL) plus storage options. It is picklable
 (it carries only the URL and options) and opens its filesystem lazily inside each process,
-so it can cross into Ray tasks and DataLoader workers. Every backend error leaves this module
-translated into a :mod:`shardkit.errors` class whose message names the object, never a secret.
+so it can cross into Ray tasks and DataLoader workers. Every backend error leaves it
+translated into a :mod:`shardkit.errors` class whose message names the object, never a secret
+(:mod:`shardkit.storage.retry`).
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import hashlib
-import json
-import logging
 import os
-import random
-import threading
-import time
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from shardkit.errors import (
-    ConfigError,
-    DatasetExistsError,
-    IntegrityError,
-    ShardkitError,
-    StorageError,
-    StoragePermissionError,
-    StorageStalledError,
-    first_line,
-)
+from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError, StorageError
+from shardkit.storage.options import boto_settings, endpoint_of, s3_options
+from shardkit.storage.retry import (ShortRead, attempts_for, is_short, is_transient, pause_before_retry, retrying,
+                                    translate)
+from shardkit.storage.s3client import s3_client
+from shardkit.storage.urls import refuse_url_credentials
+
+__all__ = ["Store", "open_fs", "reopen_fs", "S3FS_RETRIES"]
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
-_S3_CONNECT_TIMEOUT = 5
-# Seconds without a byte before a read counts as a stalled connection (then retried). AWS's
-# default is 60; with botocore's, s3fs's and shardkit's retries stacked, a frozen server took
-# ~12 minutes to fail, in silence.
-_S3_READ_TIMEOUT = 20
-RETRY_ATTEMPTS = 6
 # s3fs's own tries per call, under ours: its default 5 made every stalled call of a frozen store
 # wait 5 read timeouts before shardkit's retry loop (and its warning) saw it.
 S3FS_RETRIES = 2
-# Faults in a row after which a stall (each costs botocore's tries x the read timeout) is given
-# up: a frozen store fails in about two minutes, warning at each retry.
-TIMEOUT_ATTEMPTS = 3
-_BACKOFF_BASE = 0.2
-_BACKOFF_CAP = 5.0
 _STREAM_CHUNK = 1 << 20
 
 
-def s3_options(explicit: dict[str, Any] | None) -> dict[str, Any]:
-    """s3fs options: explicit storage options win, then the standard AWS variables."""
-    opts: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    client_kwargs: dict[str, Any] = {}
-    if endpoint:
-        client_kwargs["endpoint_url"] = endpoint
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        client_kwargs["region_name"] = region
-    if client_kwargs:
-        opts["client_kwargs"] = client_kwargs
-    # Short connect timeout so a wrong endpoint fails in seconds, not minutes.
-    opts["config_kwargs"] = {
-        "connect_timeout": _S3_CONNECT_TIMEOUT,
-        "read_timeout": _S3_READ_TIMEOUT,
-        # One try per botocore call (its "max_attempts" counts retries, not tries: 2 meant 3):
-        # shardkit's retry loops (and s3fs's, S3FS_RETRIES) retry, resume from the byte
-        # reached, and say when the store stalls.
-        "retries": {"total_max_attempts": 1, "mode": "standard"},
-    }
-    for name, value in (explicit or {}).items():
-        if isinstance(value, dict) and isinstance(opts.get(name), dict):
-            opts[name] = {**opts[name], **value}
-        else:
-            opts[name] = value
-    return opts
-
-
-def with_env_location(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus the S3 endpoint and region this process's environment gives (explicit
-    options still win): what a process elsewhere, a Ray worker with another environment, must
-    use to reach the same store. Never the keys: those come from its own environment, or from
-    ``options`` as given."""
-    if not url.startswith(("s3://", "s3a://")) or "endpoint_url" in options:
-        return dict(options)
-    here = s3_options(None).get("client_kwargs") or {}
-    if not here:
-        return dict(options)
-    return {**options, "client_kwargs": {**here, **(options.get("client_kwargs") or {})}}
-
-
-# Schemes whose first path part is a bucket name, which never holds ':'.
-_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-
-
-def _userinfo_span(part: str) -> tuple[int, int] | None:
-    """(start, end) of the ``user:secret`` before an ``@`` in one URL (no ``::`` chain), or None."""
-    scheme, sep, rest = part.partition("://")
-    if not sep:
-        return None
-    at = rest.find("@")
-    if at < 0:
-        return None
-    head = rest[:at]
-    start = len(scheme) + len(sep)
-    if "/" not in head:
-        return start, start + at
-    # An AWS secret key may hold '/', which moves the '@' past the first '/'
-    # (s3://AKID:abc/def@bucket/ds); a bucket name never holds ':', so a ':' in the first
-    # part still means key:secret. Elsewhere an '@' after the first '/' is part of the path.
-    if scheme.lower() in _BUCKET_SCHEMES and ":" in head.split("/", 1)[0]:
-        return start, start + at
-    return None
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any userinfo (``key:secret@``) replaced by ``***``, chained parts included."""
-    parts = []
-    for part in url.split("::"):
-        span = _userinfo_span(part)
-        parts.append(part if span is None else part[:span[0]] + "***" + part[span[1]:])
-    return "::".join(parts)
-
-
-def refuse_url_credentials(url: str, what: str = "URL") -> None:
-    """ConfigError for credentials written into a URL (``s3://KEY:SECRET@bucket/ds``).
-
-    They would be repeated by every message and log line that names the URL, so they are
-    refused up front, and the message shows the URL with them replaced by ``***``.
-    """
-    if redact_url(url) != url:
-        raise ConfigError(f"{what} {redact_url(url)}: credentials in the URL are refused (they would show in "
-                          "errors and logs); give them in the AWS_* environment variables, a profile "
-                          "(AWS_PROFILE) or storage_options")
-
-
-def endpoint_of(url: str, options: dict[str, Any]) -> str:
-    """A printable description of where ``url`` lives (endpoint, never keys)."""
-    if url.startswith("s3://"):
-        ep = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get("endpoint_url")
-        return f"{url} (endpoint {redact_url(str(ep)) if ep else 'AWS default'})"
-    return url
-
-
 def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Resolve a URL to (filesystem, path) with shardkit's option rules (its one caller, Store,
-    has refused credentials in the URL already)."""
+    """Resolve a URL to (filesystem, path) with shardkit's option rules.
+
+    Its one caller, :class:`Store`, has refused credentials in the URL already.
+
+    Args:
+        url: any fsspec URL.
+        storage_options: options for the filesystem (for ``s3://``, merged by
+            :func:`~shardkit.storage.options.s3_options`).
+
+    Returns:
+        The filesystem and the path of ``url`` on it.
+
+    Raises:
+        StorageError: fsspec cannot open the URL (unknown protocol, missing package).
+    """
     opts = s3_options(storage_options) if url.startswith(("s3://", "s3a://")) else dict(storage_options or {})
     try:
         fs, path = url_to_fs(url, **opts)
@@ -169,209 +68,18 @@ def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
 
     fsspec clears its instance cache when the pid changes, so this never hands back the
     parent's instance; a filesystem passed in by the caller keeps its own configuration.
+
+    Args:
+        fs: the filesystem the parent process opened.
+
+    Returns:
+        A new instance, or ``fs`` itself when it does not record its arguments.
     """
     args = getattr(fs, "storage_args", None)
     kwargs = getattr(fs, "storage_options", None)
     if args is None or kwargs is None:
         return fs
     return type(fs)(*args, **kwargs)
-
-
-class ShortRead(ConnectionError):
-    """A body that ended before the range asked for: a dropped connection (retried), unless
-    the object itself ends there (see :meth:`Store.check_extent`)."""
-
-
-def is_short(exc: BaseException) -> bool:
-    """A read that came back short, or a range the object does not reach (S3's 416)."""
-    return isinstance(exc, ShortRead) or _error_code(exc) in ("InvalidRange", "416")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: resets, timeouts, truncated bodies, 5xx and SlowDown."""
-    if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, ShardkitError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)) or is_connect_failure(exc):
-        return True  # a refused connection once more (a server restarting); attempts_for caps it
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EIO, errno.EBUSY):
-        return True
-    if _error_code(exc) in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId",
-                            "SignatureDoesNotMatch", "404", "403", "InvalidRange", "PreconditionFailed"):
-        return False
-    text = f"{type(exc).__name__} {exc}"
-    markers = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "502", "504",
-               "Timeout", "timed out", "Connection", "IncompleteRead", "ResponseStreamingError",
-               "ClientPayloadError", "ServerDisconnected", "reset by peer", "ContentLength")
-    return any(m in text for m in markers)
-
-
-# s3fs and botocore already retry a refused connect several times (~3 s) before it reaches us;
-# retrying that RETRY_ATTEMPTS more times made a wrong endpoint take ~15 s per call. One more
-# try covers a server restarting; a dead endpoint then fails in seconds.
-CONNECT_ATTEMPTS = 2
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """The store accepted the request and then did not answer in time."""
-    text = f"{type(exc).__name__} {exc}"
-    return isinstance(exc, TimeoutError) or "Timeout" in text or "timed out" in text
-
-
-def is_connect_failure(exc: BaseException) -> bool:
-    """No connection to the store at all: refused, unreachable host, unknown name (botocore's
-    EndpointConnectionError, aiohttp's ClientConnectorError for http(s):// and s3fs)."""
-    text = f"{type(exc).__name__} {exc}"
-    if any(m in text for m in ("EndpointConnectionError", "Could not connect to the endpoint",
-                               "ClientConnectorError", "Cannot connect to host")):
-        return True
-    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
-
-
-def attempts_for(exc: BaseException, attempts: int = RETRY_ATTEMPTS) -> int:
-    """Faults in a row worth trying through: fewer for a dead endpoint or a stalled store."""
-    if is_connect_failure(exc):
-        return min(attempts, CONNECT_ATTEMPTS)
-    if is_timeout(exc):
-        return min(attempts, TIMEOUT_ATTEMPTS)
-    return attempts
-
-
-def pause_before_retry(exc: BaseException, what: str, where: str, failures: int, attempts: int) -> None:
-    """Sleep the backoff before retry number ``failures`` of ``what``. A stalled store is said
-    at each retry (a frozen server otherwise looks like a hang); routine resets are not."""
-    if is_timeout(exc):
-        log.warning("storage: no answer for %s at %s (%s); retrying (%d of %d)", what, where, type(exc).__name__,
-                    failures, attempts - 1)
-    else:
-        log.debug("storage: %s on %s at %s; retrying (%d of %d)", type(exc).__name__, what, where, failures,
-                  attempts - 1)
-    time.sleep(backoff_delay(failures))
-
-
-def backoff_delay(attempt: int) -> float:
-    # Capped exponential backoff with full jitter (spreads retries of many workers).
-    return random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt))
-
-
-def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
-    """Map a backend error to a one-line shardkit error naming ``what``."""
-    if isinstance(exc, ShardkitError):
-        return exc
-    name = type(exc).__name__
-    text = first_line(exc) or name
-    code = _error_code(exc)
-    if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound"):
-        return StorageError(f"{what} not found at {where} ({code})")
-    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-        return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({code})")
-    if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
-        return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({text})")
-    if isinstance(exc, FileNotFoundError):
-        return StorageError(f"{what} not found at {where}")
-    if is_connect_failure(exc) or isinstance(exc, ConnectionError):
-        return StorageError(f"cannot reach storage for {what} at {where}: {name}")
-    if is_timeout(exc):
-        return StorageStalledError(f"storage did not answer for {what} at {where} ({name}), "
-                                   f"retried {TIMEOUT_ATTEMPTS} times")
-    return StorageError(f"storage error on {what} at {where}: {name}: {text}")
-
-
-def _error_code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code")) or None
-    return None
-
-
-def retrying(fn: Callable[[], T], what: str, where: str, attempts: int = RETRY_ATTEMPTS) -> T:
-    """Call ``fn``, retrying transient storage faults; translate the final error."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - classified below, re-raised translated
-            if isinstance(exc, ShardkitError):
-                raise
-            budget = attempts_for(exc, attempts)
-            if attempt + 1 < budget and is_transient(exc):
-                pause_before_retry(exc, what, where, attempt + 1, budget)
-                continue
-            raise translate(exc, what, where) from exc
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-# storage_options keys whose meaning we reproduce exactly for boto3; anything else -> fsspec.
-_BOTO_OPTION_KEYS = frozenset({"key", "secret", "token", "anon", "client_kwargs", "config_kwargs", "endpoint_url",
-                               "profile", "s3_additional_kwargs", "skip_instance_cache", "use_listings_cache",
-                               "default_block_size", "default_fill_cache", "default_cache_type", "asynchronous",
-                               "loop", "version_aware", "listings_expiry_time", "max_concurrency"})
-_GET_EXTRA_KEYS = ("RequestPayer", "SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5", "ExpectedBucketOwner")
-
-
-
-
-_clients: dict[tuple[int, str], Any] = {}
-_clients_mu = threading.Lock()
-
-
-def boto_settings(storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What boto3 needs to reach the same bucket as Store, or None when it cannot be sure."""
-    opts = s3_options(storage_options)
-    if set(opts) - _BOTO_OPTION_KEYS:
-        return None  # an s3fs option we do not mirror: stay with s3fs rather than guess
-    client_kwargs = dict(opts.get("client_kwargs") or {})
-    if opts.get("endpoint_url"):
-        client_kwargs.setdefault("endpoint_url", opts["endpoint_url"])
-    extra = {k: v for k, v in (opts.get("s3_additional_kwargs") or {}).items() if k in _GET_EXTRA_KEYS}
-    return {
-        "client_kwargs": client_kwargs,
-        "config_kwargs": dict(opts.get("config_kwargs") or {}),
-        "key": opts.get("key") or opts.get("aws_access_key_id"),
-        "secret": opts.get("secret") or opts.get("aws_secret_access_key"),
-        "token": opts.get("token") or opts.get("aws_session_token"),
-        "anon": bool(opts.get("anon")),
-        "profile": opts.get("profile"),
-        "get_extra": extra,
-    }
-
-
-def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) -> Any:
-    """A boto3 S3 client configured like :class:`~shardkit.storage.store.Store` would configure s3fs.
-
-    Explicit ``storage_options`` win (``key``/``secret``/``token``, ``client_kwargs``
-    ``endpoint_url``/``region_name``, ``config_kwargs``, ``anon``, ``profile``), then
-    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``/``AWS_REGION`` (via
-    :func:`~shardkit.storage.store.s3_options`), then boto3's own chain (environment keys, config
-    files). One client per process and settings (clients are thread-safe; a forked child
-    builds its own). Secrets are never logged: the cache key is a digest.
-
-    Raises:
-        ConfigError: the options hold something boto3 cannot mirror (use the fsspec transport).
-    """
-    settings = boto_settings(storage_options)
-    if settings is None:
-        raise ConfigError("storage_options: holds s3fs options the boto3 transport does not mirror; use transport='fsspec'")
-    ident = hashlib.sha256(json.dumps([settings, max_pool], sort_keys=True, default=repr).encode()).hexdigest()
-    cache_key = (os.getpid(), ident)
-    with _clients_mu:
-        client = _clients.get(cache_key)
-        if client is not None:
-            return client
-    import boto3
-    from botocore.config import Config
-
-    session = boto3.session.Session(profile_name=settings["profile"]) if settings["profile"] else boto3.session.Session()
-    cfg_kwargs = dict(settings["config_kwargs"])
-    cfg_kwargs["max_pool_connections"] = max(int(cfg_kwargs.get("max_pool_connections", 10)), max_pool + 2)
-    if settings["anon"]:
-        from botocore import UNSIGNED
-        cfg_kwargs["signature_version"] = UNSIGNED
-    kwargs: dict[str, Any] = dict(settings["client_kwargs"])
-    if settings["key"] and not settings["anon"]:
-        kwargs.update(aws_access_key_id=settings["key"], aws_secret_access_key=settings["secret"],
-                      aws_session_token=settings["token"])
-    client = session.client("s3", config=Config(**cfg_kwargs), **kwargs)
-    with _clients_mu:
-        return _clients.setdefault(cache_key, client)
 
 
 class Store:

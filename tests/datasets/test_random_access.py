@@ -13,7 +13,7 @@ import pytest
 
 import shardkit
 from shardkit.storage import ranged
-from shardkit.storage.store import store as storage
+from shardkit.storage import retry as storage
 from shardkit.errors import IntegrityError
 from shardkit.errors import SampleNotFoundError
 from shardkit.storage.store import Store

@@ -1,4 +1,4 @@
-"""shardkit.storage.store: retry classification, error translation, resumed fetches, fork safety."""
+"""shardkit.storage: retry classification, error translation, redaction, resumed fetches, fork safety."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
-from shardkit.storage.store import store as storage
+from shardkit.storage import retry, urls
 from shardkit.errors import ConfigError, StorageError, StoragePermissionError
-from shardkit.storage.store import Store, is_transient, retrying, translate
+from shardkit.storage.retry import is_transient, retrying, translate
+from shardkit.storage.store import Store
 
 SECRET = "s3cr3t-" + "x" * 20
 
@@ -27,7 +28,7 @@ def client_error(code: str, message: str = "boom") -> ClientError:
 
 @pytest.fixture
 def no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(retry.time, "sleep", lambda _s: None)
 
 
 # --------------------------------------------------------------------------- classification
@@ -116,8 +117,8 @@ def test_credentials_in_a_url_are_refused_without_repeating_them(url: str, tmp_p
 def test_redact_url_leaves_urls_without_credentials_alone() -> None:
     for url in ("s3://bucket/user@example.com/ds", "http://host:8080/a@b", "/tmp/a@b", "file:///tmp/x@y",
                 "memory://ds", "s3://bucket/ds"):
-        assert storage.redact_url(url) == url
-    assert storage.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
+        assert urls.redact_url(url) == url
+    assert urls.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
 
 
 def test_endpoint_with_credentials_is_redacted_in_messages() -> None:
@@ -156,7 +157,7 @@ def test_retrying_gives_up_after_attempts_with_a_translated_error(no_sleep: None
 
 def test_a_stalled_store_is_given_up_sooner_and_said(no_sleep: None, caplog: pytest.LogCaptureFixture) -> None:
     # Each stall costs a whole read timeout: three in a row end it, each retry logged.
-    from shardkit.storage.store import TIMEOUT_ATTEMPTS
+    from shardkit.storage.retry import TIMEOUT_ATTEMPTS
 
     fn, calls = flaky([TimeoutError("timed out")] * 10)
     with caplog.at_level("WARNING", logger="shardkit"), pytest.raises(StorageError, match="did not answer for obj"):
@@ -183,7 +184,7 @@ def test_dead_endpoint_fails_fast(no_sleep: None) -> None:
     fn, calls = flaky([EndpointConnectionError(endpoint_url="http://127.0.0.1:1")] * 10)
     with pytest.raises(StorageError, match="cannot reach storage"):
         retrying(fn, "obj", "here")
-    assert len(calls) == storage.CONNECT_ATTEMPTS
+    assert len(calls) == retry.CONNECT_ATTEMPTS
 
 
 # --------------------------------------------------------------------------- fetch_into resume
@@ -235,7 +236,7 @@ def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], n
     monkeypatch.setattr(Store, "_open_range", empty)
     with pytest.raises(StorageError, match="shards/a.tar"):
         store.fetch_into("shards/a.tar", io.BytesIO(), 0, 100)
-    assert len(calls) == storage.RETRY_ATTEMPTS
+    assert len(calls) == retry.RETRY_ATTEMPTS
 
 
 # --------------------------------------------------------------------------- fork safety
@@ -280,7 +281,7 @@ def test_store_used_in_parent_then_forked_child(s3_server: S3Server, s3_bucket: 
 
 
 def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.storage.store import with_env_location
+    from shardkit.storage.options import with_env_location
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
-from shardkit.storage.store import refuse_url_credentials
+from shardkit.storage.urls import refuse_url_credentials
 from shardkit.packing.sources.base import Source, SourceItem
 from shardkit.packing.sources.files import FileListSource, FolderSource, ImageFolderSource
 

@@ -25,7 +25,7 @@ from shardkit.format.streams import CHUNK_BYTES, iter_exact
 from shardkit.errors import SourceError, SourceNotFoundError, UnsafeTarError
 from shardkit.packing.sample import (FieldValue, PackSample, StreamedField, case_clash, case_clash_reason, check_field_name,
                       safe_key)
-from shardkit.storage.store import refuse_url_credentials
+from shardkit.storage.urls import refuse_url_credentials
 from shardkit.format.tarscan import TarMember, group_members, scan_tar, split_name
 from shardkit.packing.sources.base import SourceItem
 
