@@ -3,12 +3,15 @@ and the standard AWS environment variables, and how a store's location is printe
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Any
 
+from shardkit.errors import ConfigError
 from shardkit.storage.urls import redact_url
 
-__all__ = ["s3_options", "with_env_location", "boto_settings", "endpoint_of"]
+__all__ = ["check_storage_options", "s3_options", "with_env_location", "boto_settings", "endpoint_of"]
 
 _S3_CONNECT_TIMEOUT = 5
 # Seconds without a byte before a read counts as a stalled connection (then retried). AWS's
@@ -22,6 +25,66 @@ _BOTO_OPTION_KEYS = frozenset({"key", "secret", "token", "anon", "client_kwargs"
                                "default_block_size", "default_fill_cache", "default_cache_type", "asynchronous",
                                "loop", "version_aware", "listings_expiry_time", "max_concurrency"})
 _GET_EXTRA_KEYS = ("RequestPayer", "SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5", "ExpectedBucketOwner")
+
+# boto3's spellings that s3fs takes under another name: the usual mistake.
+_S3FS_SPELLING = {
+    "aws_access_key_id": "'key'",
+    "aws_secret_access_key": "'secret'",
+    "aws_session_token": "'token'",
+    "region_name": "client_kwargs={'region_name': ...}",
+    "region": "client_kwargs={'region_name': ...}",
+    "endpoint": "'endpoint_url' (or client_kwargs={'endpoint_url': ...})",
+    "profile_name": "'profile'",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _s3fs_keys() -> frozenset[str] | None:
+    """The keyword arguments ``s3fs.S3FileSystem(...)`` takes, or None without s3fs.
+
+    Its own parameters, fsspec's listings cache and instance cache options, and what it hands
+    on to ``aiobotocore.session.AioSession`` (``profile``...): anything else reaches that
+    session and fails there, far from the option that caused it.
+    """
+    try:  # here, not at the top: s3fs and aiobotocore are heavy, and only s3:// stores need them
+        import fsspec.dircache
+        import s3fs
+        from aiobotocore.session import AioSession
+    except ImportError:
+        return None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    keys = {"skip_instance_cache"}  # fsspec's _Cached takes it before any __init__
+    for fn in (s3fs.S3FileSystem.__init__, AioSession.__init__, fsspec.dircache.DirCache.__init__):
+        keys |= {p.name for p in inspect.signature(fn).parameters.values() if p.kind in named}
+    keys.discard("self")
+    return frozenset(keys)
+
+
+def check_storage_options(url: str, options: dict[str, Any] | None) -> None:
+    """Refuse ``storage_options`` keys s3fs does not take, for an ``s3://`` (``s3a://``) URL.
+
+    s3fs hands unknown keys to its botocore session, which fails on first use with
+    ``TypeError: AioSession.__init__() got an unexpected keyword argument``, wrapped in a
+    storage error. Other protocols' options pass through unchecked.
+
+    Args:
+        url: the store's URL.
+        options: the storage options given (values are never printed).
+
+    Raises:
+        ConfigError: a key s3fs does not take, named with the s3fs spelling when there is one.
+    """
+    if not options or not url.startswith(("s3://", "s3a://")):
+        return
+    known = _s3fs_keys()
+    if known is None:
+        return  # no s3fs: opening the store says so
+    for name in options:
+        if name in known:
+            continue
+        hint = _S3FS_SPELLING.get(name)
+        advice = f"use {hint} instead" if hint else "s3fs takes " + ", ".join(sorted(known))
+        raise ConfigError(f"storage_options: {name!r} is not an s3fs option (for {redact_url(url)}); {advice}")
 
 
 def s3_options(explicit: dict[str, Any] | None) -> dict[str, Any]:
@@ -120,9 +183,9 @@ def boto_settings(storage_options: dict[str, Any] | None) -> dict[str, Any] | No
     return {
         "client_kwargs": client_kwargs,
         "config_kwargs": dict(opts.get("config_kwargs") or {}),
-        "key": opts.get("key") or opts.get("aws_access_key_id"),
-        "secret": opts.get("secret") or opts.get("aws_secret_access_key"),
-        "token": opts.get("token") or opts.get("aws_session_token"),
+        "key": opts.get("key"),
+        "secret": opts.get("secret"),
+        "token": opts.get("token"),
         "anon": bool(opts.get("anon")),
         "profile": opts.get("profile"),
         "get_extra": extra,

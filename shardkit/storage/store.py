@@ -18,7 +18,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError, StorageError
-from shardkit.storage.options import boto_settings, endpoint_of, s3_options
+from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import (ShortRead, attempts_for, is_short, is_transient, pause_before_retry, retrying,
                                     translate)
 from shardkit.storage.s3client import s3_client
@@ -88,6 +88,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  fs: fsspec.AbstractFileSystem | None = None) -> None:
         refuse_url_credentials(url)  # every dataset and destination URL passes here first
+        check_storage_options(url, storage_options)
         scheme, sep, rest = url.partition("://")
         if sep and scheme in ("s3", "s3a", "gs", "gcs") and not rest.strip("/"):
             raise ConfigError(f"{url!r}: no bucket in the URL (expected {scheme}://bucket/prefix)")

@@ -341,3 +341,38 @@ def test_dataloader_workers_print_no_event_loop_tracebacks(s3_server: S3Server, 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150)
     assert r.returncode == 0 and r.stdout.split() == ["200"], r.stderr[-2000:]
     assert "different loop" not in r.stderr and "Task exception" not in r.stderr, r.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- storage_options keys
+
+
+@pytest.mark.parametrize(("key", "spelling"), [
+    ("aws_access_key_id", "'key'"), ("aws_secret_access_key", "'secret'"), ("aws_session_token", "'token'"),
+    ("region_name", "client_kwargs={'region_name': ...}"), ("endpoint", "'endpoint_url'"),
+])
+def test_boto3_spellings_in_s3_storage_options_are_refused_naming_the_s3fs_one(key: str, spelling: str) -> None:
+    # s3fs hands unknown keys to its botocore session: "TypeError: AioSession.__init__() got an
+    # unexpected keyword argument", inside a StorageError, at the first call.
+    for url in ("s3://bucket/ds", "s3a://bucket/ds"):
+        with pytest.raises(ConfigError) as info:
+            Store(url, {"key": "AKIDEXAMPLE", key: SECRET})
+        text = str(info.value)
+        assert repr(key) in text and spelling in text and url in text
+        assert SECRET not in text and "\n" not in text
+    with pytest.raises(ConfigError, match="aws_secret_access_key"):
+        shardkit.open_dataset("s3://bucket/ds", storage_options={"aws_secret_access_key": SECRET})
+
+
+def test_unknown_s3_storage_options_key_lists_what_s3fs_takes() -> None:
+    with pytest.raises(ConfigError, match=r"'no_such_option' is not an s3fs option.*s3fs takes .*endpoint_url") as info:
+        Store("s3://bucket/ds", {"no_such_option": 1})
+    assert "\n" not in str(info.value)
+
+
+def test_s3fs_options_and_other_protocols_pass_through(tmp_path: Any) -> None:
+    opts = {"key": "k", "secret": "s", "token": "t", "endpoint_url": "http://127.0.0.1:1", "profile": "p",
+            "client_kwargs": {"region_name": "eu-west-3"}, "config_kwargs": {}, "anon": False,
+            "use_listings_cache": False, "skip_instance_cache": True, "requester_pays": True}
+    assert Store("s3://bucket/ds", opts).storage_options == opts
+    assert Store(str(tmp_path), {"aws_access_key_id": "x", "anything": 1}).storage_options["anything"] == 1
+    assert Store("memory://ds", {"whatever": True}).storage_options == {"whatever": True}
