@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import io
 import mmap
 import os
 import time
@@ -162,41 +161,40 @@ class CacheEntry:
     pid: int = 0
 
 
-class HashingSink(io.RawIOBase):
-    """The ``out`` given to fetch: writes through to the temp file and hashes as it goes."""
+class HashingSink:
+    """Writes a download front to back into its temp file and hashes it as it goes.
+
+    Args:
+        fd: the temp file, open for writing.
+        ref: the shard (its size bounds the file).
+        start: bytes already in the file (a resumed download): they are hashed first.
+    """
 
     def __init__(self, fd: int, ref: ShardRef, start: int) -> None:
-        super().__init__()
-        self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
+        self._fd, self._ref, self.pos = fd, ref, start
         self._hash = xxhash.xxh3_128()
         if start:  # resuming: hash the bytes already there
             with mmap.mmap(fd, start, access=mmap.ACCESS_READ) as m:
                 self._hash.update(m)
         os.lseek(fd, start, os.SEEK_SET)
 
-    def writable(self) -> bool:
-        return True
+    def write(self, data: memoryview) -> None:
+        """Append ``data`` to the file and the hash.
 
-    def tell(self) -> int:
-        return self.pos
-
-    def write(self, b: object) -> int:  # type: ignore[override]
-        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if self.overflow or self.pos + mv.nbytes > self._ref.size:
-            self.overflow = True  # never write past the reservation
+        Raises:
+            IntegrityError: the file would grow past the shard's size.
+        """
+        if self.pos + data.nbytes > self._ref.size:  # never write past the reservation
             raise IntegrityError(f"shard {self._ref.name}: fetch wrote more than its {self._ref.size} bytes")
-        self._hash.update(mv)
-        left = mv
+        self._hash.update(data)
+        left = data
         while left.nbytes:
             left = left[os.write(self._fd, left):]
-        self.pos += mv.nbytes
-        return mv.nbytes
+        self.pos += data.nbytes
 
     def digest(self) -> str:
+        """The xxh3-128 hex digest of the file's bytes so far."""
         return self._hash.hexdigest()
-
-    def ok(self) -> bool:
-        return not self.overflow and self.pos == self._ref.size and self.digest() == self._ref.checksum.lower()
 
 
 def hash_fd(fd: int, size: int) -> str:

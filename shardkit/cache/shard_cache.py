@@ -26,14 +26,12 @@ import re
 import threading
 import time
 from contextlib import contextmanager
-from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, cast
+from typing import Callable, Iterator, Mapping, Optional, Sequence, cast
 
-import xxhash
 
 from shardkit.cache.files import (
     CacheEntry,
     FileLock,
-    HashingSink,
     ShardRef,
     file_name,
     hash_fd,
@@ -49,10 +47,11 @@ from shardkit.util.procs import pid_alive
 from shardkit.errors import (CacheFullError, CacheGoneError, ConfigError, IntegrityError, NoRoomError,
                              StorageStalledError)
 from shardkit.cache.kept_maps import KEPT
-from shardkit.cache.landing import LANDING, DirectWriter, Landing
+from shardkit.cache.fill import fill_landing, fill_map, fill_stream
+from shardkit.cache.landing import LANDING, Landing
+from shardkit.storage.ranged import RangeReader
 
-__all__ = ["ShardRef", "Fetch", "FetchInto", "positional", "reports_parts", "is_positional", "ShardCache",
-           "CachedShard"]
+__all__ = ["ShardRef", "ReaderFor", "ShardCache", "CachedShard"]
 
 log = logging.getLogger(__name__)
 
@@ -67,40 +66,14 @@ _TEMP = re.compile(r"^(?P<file>.+)\.(?P<size>\d+)\.(?P<pid>\d+)$")
 _EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
 
 
-Fetch = Callable[[ShardRef, BinaryIO, int], None]
-"""``fetch(ref, out, start)`` writes bytes ``[start, ref.size)`` of the shard into ``out``."""
+ReaderFor = Callable[[ShardRef], RangeReader]
+"""``fetch(ref)``: the reader a download of ``ref`` reads its object with (one per attempt).
 
-FetchInto = Callable[[ShardRef, memoryview, int], Optional[int]]
-"""``fetch(ref, view, start)`` fills ``view[start:]`` (``view`` is the whole shard: a writable
-map of the temp file) in any order, e.g. with parallel ranged GETs. It may return the bytes it
-moved (else the cache counts ``ref.size - start``). Mark it with :func:`positional`.
-
-The cache verifies size and xxh3-128 of the whole file after it returns, exactly as for a
-:data:`Fetch`. Parts land out of order, so the length of a partial file means nothing: when a
-positional fetch fails, its temp file is emptied (the reservation stays) and the next attempt
-starts from byte 0.
-
-A fetch marked with :func:`reports_parts` also takes ``landed=callback`` and calls
-``callback(lo, hi)`` from the thread that filled bytes ``[lo, hi)``, once they are all there
-(``lo`` a multiple of 4 KiB): the cache then writes that part to the file while others land.
+A sequential reader's bytes go to the temp file front to back, and a download that fails
+resumes from what landed; a parallel reader gets the whole shard at once, into a writable map
+of the temp file or a landing buffer, and a download that fails starts again from byte 0. The
+cache checks size and xxh3-128 of the whole file either way.
 """
-
-
-def positional(fn: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
-    """Mark ``fn`` (a function, or the function behind a method) as a :data:`FetchInto`."""
-    fn.writes_at_offsets = True  # type: ignore[attr-defined]
-    return fn
-
-
-def reports_parts(fn: Callable[..., Optional[int]]) -> Callable[..., Optional[int]]:
-    """Mark ``fn`` as a :data:`FetchInto` that reports each part as it lands (``landed=``)."""
-    fn.reports_parts = True  # type: ignore[attr-defined]
-    return positional(fn)
-
-
-def is_positional(fetch: object) -> bool:
-    """Whether ``fetch`` is a :data:`FetchInto` (bound methods see their function's mark)."""
-    return bool(getattr(fetch, "writes_at_offsets", False))
 
 # A prefetch carries the files (and sizes) planned before it: it must neither evict them nor
 # take their room. None: a reader's own open.
@@ -240,7 +213,7 @@ class ShardCache:
         # still in use (a reader opens its shard again at every batch when the cache is tight).
         self._cursor = 0
         self._cv = threading.Condition()
-        self._plan: list[tuple[ShardRef, Fetch | FetchInto, dict[str, int], bool]] = []
+        self._plan: list[tuple[ShardRef, ReaderFor, dict[str, int], bool]] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
@@ -269,7 +242,7 @@ class ShardCache:
             self._sched, self._cursor, self._sched_files = pos, 0, files
             self._sched_sizes = {} if sizes is None else dict(zip(files, sizes))
 
-    def open(self, ref: ShardRef, fetch: Fetch | FetchInto, landing: bool = False) -> CachedShard:
+    def open(self, ref: ShardRef, fetch: ReaderFor, landing: bool = False) -> CachedShard:
         """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
 
         ``landing``: the caller only copies out of the shard, so a positional download may go
@@ -295,7 +268,7 @@ class ShardCache:
                                  f"another job's cleanup?): shard {ref.name} cannot be cached; restart the job, "
                                  "which makes the cache again") from exc
 
-    def _open(self, ref: ShardRef, fetch: Fetch | FetchInto, landing: bool) -> CachedShard:
+    def _open(self, ref: ShardRef, fetch: ReaderFor, landing: bool) -> CachedShard:
         if ref.size < 0:
             raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
         if ref.size > self._limit:
@@ -322,7 +295,7 @@ class ShardCache:
             shard._landing = LANDING.hot(shard.path, st)
         return shard
 
-    def prefetch(self, refs: Sequence[ShardRef], fetch: Fetch | FetchInto, max_ahead: int = 2,
+    def prefetch(self, refs: Sequence[ShardRef], fetch: ReaderFor, max_ahead: int = 2,
                  landing: bool = False, at_once: int = 1) -> None:
         """Download the first ``max_ahead`` of ``refs``, in order, in background threads,
         ``at_once`` of them at a time (``landing`` as for :meth:`open`).
@@ -445,7 +418,7 @@ class ShardCache:
         os.close(fd)
         return "corrupt", None
 
-    def _ensure(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch,
+    def _ensure(self, ref: ShardRef, fetch: ReaderFor, file: str, prefetch: _Prefetch,
                 landing: bool) -> int | None:
         """An fd of the verified shard (its pin held by the caller); None if a prefetch skips."""
         state, fd = self._open_final(ref, file)
@@ -479,7 +452,7 @@ class ShardCache:
             self._add("misses" if downloaded else "hits")
         return fd
 
-    def _download(self, ref: ShardRef, fetch: Fetch | FetchInto, file: str, prefetch: _Prefetch,
+    def _download(self, ref: ShardRef, fetch: ReaderFor, file: str, prefetch: _Prefetch,
                   landing: bool) -> None:
         """Fetch, verify and publish ``ref`` (download lock held); _NoRoom if a prefetch finds
         no room for it."""
@@ -487,33 +460,24 @@ class ShardCache:
         if got is None:
             raise _NoRoom(ref.name)
         tmp, start = got
-        into = is_positional(fetch)
-        if into:
-            start = 0  # a positional partial file cannot be resumed from its length
+        fetched = self._fetched
         for attempt in (1, 2):
+            reader = fetch(ref)
+            if reader.parallel:
+                start = 0  # a partial file of parts landed out of order cannot be resumed from its length
             fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
-            buf = LANDING.take(ref.size) if into and landing else None  # pinned until published
+            buf = LANDING.take(ref.size) if reader.parallel and landing else None  # pinned until published
             try:
                 if attempt == 2:  # from scratch
                     os.ftruncate(fd, 0)
                     preallocate(fd, ref.size)
                 if buf is not None:
-                    pos, digest = self._fetch_landed(ref, fetch, fd, tmp, buf)
-                    ok = pos == ref.size and digest == ref.checksum.lower()
-                elif into:
-                    pos, digest = self._fetch_into(ref, cast(FetchInto, fetch), fd)
-                    ok = pos == ref.size and digest == ref.checksum.lower()
+                    pos, digest = fill_landing(reader, ref, fd, tmp, buf, fetched)
+                elif reader.parallel:
+                    pos, digest = fill_map(reader, ref, fd, fetched)
                 else:
-                    sink = HashingSink(fd, ref, start)
-                    try:
-                        cast(Fetch, fetch)(ref, cast(BinaryIO, sink), start)
-                    except BaseException:
-                        if not sink.overflow:
-                            raise  # keep the partial file: the next attempt resumes from its end
-                    finally:
-                        self._add("bytes_fetched", sink.pos - start)
-                    ok, pos, digest = sink.ok(), sink.pos, sink.digest()
-                if ok:
+                    pos, digest = fill_stream(reader, ref, fd, start, fetched)
+                if pos == ref.size and digest == ref.checksum.lower():
                     stamp_verified(fd, ref.checksum)
                     with self._global():
                         os.replace(tmp, self._final(file))
@@ -535,58 +499,8 @@ class ShardCache:
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
                              f"xxh3 {ref.checksum}) twice; last got {pos} bytes with xxh3 {digest}")
 
-    def _fetch_landed(self, ref: ShardRef, fetch: Fetch | FetchInto, fd: int, tmp: str,
-                      buf: Landing) -> tuple[int, str]:
-        """Run a positional fetch into the landing buffer ``buf``, writing each reported part to
-        the temp file (``O_DIRECT``) as it lands, and anything unreported after.
-
-        Returns (file size, xxh3-128 of the buffer). On failure the file is emptied, as in
-        :meth:`_fetch_into`, and the error is raised (the caller unpins ``buf``).
-        """
-        os.ftruncate(fd, ref.size)
-        writer = DirectWriter(tmp, buf)
-        view = memoryview(buf.map)[:ref.size]
-        try:
-            if getattr(fetch, "reports_parts", False):
-                moved = cast(Callable[..., Optional[int]], fetch)(ref, view, 0, landed=writer.write)
-            else:
-                moved = cast(FetchInto, fetch)(ref, view, 0)
-            if writer.written < ref.size:  # parts the fetch did not report (or none)
-                writer.write(0, ref.size)
-            writer.finish(ref.size)
-        except BaseException:
-            writer.close()
-            os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
-            raise
-        self._add("bytes_fetched", ref.size if moved is None else moved)
-        return os.fstat(fd).st_size, xxhash.xxh3_128_hexdigest(view)
-
-    def _fetch_into(self, ref: ShardRef, fetch: FetchInto, fd: int) -> tuple[int, str]:
-        """Run a positional fetch into a writable map of the temp file ``fd``, from byte 0.
-
-        Returns (file size, xxh3-128 of the whole file). On failure the file is emptied (its
-        name keeps the reservation), so whoever tries next starts from 0, and the error is raised.
-        """
-        os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by preallocate)
-        mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE) if ref.size else None
-        view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
-        try:
-            try:
-                moved = fetch(ref, view, 0)
-            except BaseException:
-                os.ftruncate(fd, 0)  # parts landed out of order: nothing here can be trusted
-                raise
-            self._add("bytes_fetched", ref.size if moved is None else moved)
-            # One pass over the map, ~10 GB/s; the bytes are still in the page cache.
-            digest = xxhash.xxh3_128_hexdigest(mm if mm is not None else b"")
-            return os.fstat(fd).st_size, digest
-        finally:
-            try:
-                view.release()
-                if mm is not None:
-                    mm.close()
-            except BufferError:  # the fetch kept a slice: unmapped when that is dropped
-                log.debug("cache: shard %s: fetch still holds a view of the temp file", ref.name)
+    def _fetched(self, nbytes: int) -> None:
+        self._add("bytes_fetched", float(nbytes))
 
     def _reserve(self, ref: ShardRef, file: str, prefetch: _Prefetch) -> tuple[str, int] | None:
         """A temp file that counts ``ref.size``, and the bytes already in it.

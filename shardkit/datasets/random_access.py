@@ -36,13 +36,13 @@ import pyarrow.compute as pc
 import xxhash
 
 from shardkit.format.checksums import BLOCK_BYTES
-from shardkit.cache.shard_cache import CachedShard, ShardCache
+from shardkit.cache.shard_cache import CachedShard, ShardCache, ShardRef
 from shardkit.read.checked import block_checksums, read_checked, read_sample
 from shardkit.batch.codecs import make_decoder, npy_view
 from shardkit.config import checked_cache_dir, parse_size
 from shardkit.errors import ConfigError, IntegrityError, ManifestError, SampleNotFoundError, ShardkitError
 from shardkit.format.manifest import parquet_file
-from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
+from shardkit.storage.ranged import ByteCounter, RangedReader, StreamReader, Transport, choose_transport, read_fully
 from shardkit.read.dataset import Dataset, ShardInfo, ShardRows, manifest_copies_dir, sample_dict
 from shardkit.read.segments import GAP_BYTES
 from shardkit.read.shard_source import cache_namespace, shard_ref
@@ -333,9 +333,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                                      verify=False)
         return self._cache
 
-    def _fetch_shard(self, ref: Any, out: Any, start: int) -> None:
-        self.ds.store.fetch_into(ref.name, out, start, ref.size, progress=lambda n: self._counter.add(n),
-                                 on_request=lambda: self._counter.add(requests=1))
+    def _shard_reader(self, ref: ShardRef) -> StreamReader:
+        """The cache's reader of a whole shard (``cache_shards``): one stream, counted in stats."""
+        return StreamReader(self.ds.store, ref.name, ref.size, counter=self._counter)
 
     def _cached(self, info: ShardInfo) -> CachedShard | None:
         """The mapped shard if it is in the cache (or ``cache_shards`` fetches it), else None."""
@@ -351,7 +351,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         present = cache.contains(ref)
         if not present and not self.cache_shards:
             return None
-        cached = cache.open(ref, self._fetch_shard)
+        cached = cache.open(ref, self._shard_reader)
         self._open.put(info.shard, cached)
         return cached
 
@@ -385,21 +385,20 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             view, base = self._read_sample(info, rows, pos, i).data, int(rows.offset[pos])
         return self._decoder(sample_dict(view, base, rows, pos, i, info.path))
 
-    def _read(self, info: ShardInfo, start: int, end: int, out: np.ndarray | memoryview | bytearray) -> None:
-        read_into(self.ds.store, info.path, start, end, out, self.part_size, self.concurrency,
-                  transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
+    def _reader(self, info: ShardInfo) -> RangedReader:
+        """A reader of ``info``'s shard: ranged GETs of ``part_size``, ``concurrency`` at a time."""
+        return RangedReader(self.ds.store, info.path, part_size=self.part_size, concurrency=self.concurrency,
+                            transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
 
     def _read_sample(self, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
-        return read_sample(lambda a, b, out: self._read(info, a, b, out), info, rows, pos, index)
+        return read_sample(self._reader(info), info, rows, pos, index)
 
     def _fetcher(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, checked: bool) -> _Fetch:
         """Reads of sample ``pos``'s bytes for one call: checked (whole blocks, or the whole
         sample) or exactly the range asked for; a range inside a read already made is served
         from it (the header's block often holds the rows asked for too)."""
         done: list[tuple[np.ndarray, int]] = []
-
-        def read(a: int, b: int, out: np.ndarray) -> None:
-            self._read(info, a, b, out)
+        read = self._reader(info)
 
         def fetch(start: int, end: int) -> tuple[np.ndarray, int]:
             for buf, base in done:
@@ -409,7 +408,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                 got = read_checked(read, info, rows, pos, index, start, end)
             else:
                 got = (np.empty(end - start, dtype=np.uint8), start)
-                read(start, end, got[0])
+                read_fully(read, start, got[0].data, info.path)
             done.append(got)
             return got
 

@@ -11,7 +11,6 @@ transit (gone on the second read) from corruption at rest (an IntegrityError).
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import numpy as np
 import xxhash
@@ -19,12 +18,9 @@ import xxhash
 from shardkit.format.checksums import bad_blocks, block_span
 from shardkit.errors import IntegrityError, ManifestError
 from shardkit.read.dataset import ShardInfo, ShardRows
+from shardkit.storage.ranged import RangeReader, read_fully
 
 log = logging.getLogger(__name__)
-
-# Fills its buffer with the shard's bytes [start, end).
-ReadRange = Callable[[int, int, np.ndarray], None]
-
 
 def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndarray, int] | None:
     """(block checksums, block size) of sample ``pos``, or None when it has none."""
@@ -42,7 +38,7 @@ def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndar
     return digests, block_bytes
 
 
-def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
+def read_sample(read: RangeReader, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
     """The whole of sample ``pos``, its checksum checked."""
     start, size = int(rows.offset[pos]), int(rows.size[pos])
     if start < 0 or start + size > info.bytes:
@@ -50,7 +46,7 @@ def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, ind
                             f"beyond {info.path} ({info.bytes} bytes)")
     buf = np.empty(size, dtype=np.uint8)
     for attempt in (1, 2):
-        read(start, start + size, buf)
+        read_fully(read, start, buf.data, info.path)
         if xxhash.xxh3_64_intdigest(buf.data) == int(rows.checksum[pos]):
             return buf
         log.warning("sample %r (index %d) in %s failed its checksum (attempt %d)", rows.key(pos), index,
@@ -59,7 +55,7 @@ def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, ind
                          "(corrupt bytes on storage)")
 
 
-def read_checked(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int, start: int,
+def read_checked(read: RangeReader, info: ShardInfo, rows: ShardRows, pos: int, index: int, start: int,
                  end: int) -> tuple[np.ndarray, int]:
     """Checked bytes of sample ``pos`` covering the shard range ``[start, end)``, and the shard
     offset where they begin: the blocks around the range, or the whole sample."""
@@ -71,7 +67,7 @@ def read_checked(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, in
     buf = np.empty(hi - lo, dtype=np.uint8)
     bad: list[int] = []
     for attempt in (1, 2):
-        read(lo, hi, buf)
+        read_fully(read, lo, buf.data, info.path)
         bad = bad_blocks(buf, first, digests, block_bytes)
         if not bad:
             return buf, lo

@@ -6,7 +6,9 @@ uploads use a client configured exactly as the store's s3fs filesystem would be.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import threading
@@ -15,10 +17,16 @@ from typing import Any
 from shardkit.errors import ConfigError
 from shardkit.storage.options import boto_settings
 
-__all__ = ["s3_client"]
+__all__ = ["s3_client", "have_boto3"]
 
 _clients: dict[tuple[int, str], Any] = {}
 _clients_mu = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def have_boto3() -> bool:
+    """Whether boto3 can be imported here (a dependency; checked without importing it)."""
+    return importlib.util.find_spec("boto3") is not None
 
 
 def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) -> Any:

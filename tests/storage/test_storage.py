@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import io
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
-from shardkit.storage import retry, urls
+from shardkit.storage import ranged, resumable, retry, urls
 from shardkit.errors import ConfigError, StorageError, StoragePermissionError
 from shardkit.storage.retry import is_transient, retrying, translate
 from shardkit.storage.store import Store
@@ -187,7 +186,7 @@ def test_dead_endpoint_fails_fast(no_sleep: None) -> None:
     assert len(calls) == retry.CONNECT_ATTEMPTS
 
 
-# --------------------------------------------------------------------------- fetch_into resume
+# --------------------------------------------------------------------------- stream reader resume
 
 
 @pytest.fixture
@@ -202,40 +201,63 @@ def mem_store() -> Iterator[tuple[Store, bytes]]:
         store.remove("", recursive=True)
 
 
-def test_fetch_into_resumes_after_a_truncated_body(mem_store: tuple[Store, bytes], no_sleep: None,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+class _Cut(resumable.Body):
+    """A response body that ends after ``keep`` bytes, as after a dropped connection."""
+
+    def __init__(self, body: resumable.Body, keep: int) -> None:
+        self.body, self.keep = body, keep
+
+    def readinto(self, out: memoryview) -> int:
+        n = self.body.readinto(out[:self.keep])
+        self.keep -= n
+        return n
+
+    def close(self, complete: bool) -> None:
+        self.body.close(complete)
+
+
+def test_stream_reader_resumes_after_a_truncated_body(mem_store: tuple[Store, bytes], no_sleep: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     store, payload = mem_store
-    real = Store._open_range
+    real = ranged.opener
     requests: list[tuple[int, int]] = []
 
-    def truncating(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
-        requests.append((pos, end))
-        if len(requests) == 1:  # the first body ends early, as after a dropped connection
-            yield b"".join(real(self, rel, pos, end))[:1234]
-            return
-        yield from real(self, rel, pos, end)
+    def truncating(store: Store, path: str, client: Any) -> resumable.Opener:
+        open_body = real(store, path, client)
 
-    monkeypatch.setattr(Store, "_open_range", truncating)
-    out = io.BytesIO()
-    seen: list[int] = []
-    store.fetch_into("shards/a.tar", out, 1000, 250_000, progress=seen.append)
-    assert out.getvalue() == payload[1000:250_000]
+        def open_cut(pos: int, end: int) -> resumable.Body:
+            requests.append((pos, end))
+            body = open_body(pos, end)
+            return _Cut(body, 1234) if len(requests) == 1 else body  # the first body ends early
+        return open_cut
+
+    monkeypatch.setattr(ranged, "opener", truncating)
+    out = bytearray(249_000)
+    counter = ranged.ByteCounter()
+    ranged.read_fully(ranged.StreamReader(store, "shards/a.tar", 250_000, counter=counter), 1000, memoryview(out),
+                      "shards/a.tar")
+    assert bytes(out) == payload[1000:250_000]
     assert requests == [(1000, 250_000), (2234, 250_000)]  # resumed from the byte it reached
-    assert sum(seen) == 249_000
+    assert counter.snapshot() == {"bytes": 249_000, "requests": 2}
 
 
-def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], no_sleep: None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stream_reader_gives_up_naming_the_object(mem_store: tuple[Store, bytes], no_sleep: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     store, _ = mem_store
+    real = ranged.opener
     calls: list[int] = []
 
-    def empty(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
-        calls.append(pos)
-        return iter(())
+    def empty(store: Store, path: str, client: Any) -> resumable.Opener:
+        open_body = real(store, path, client)
 
-    monkeypatch.setattr(Store, "_open_range", empty)
+        def open_empty(pos: int, end: int) -> resumable.Body:
+            calls.append(pos)
+            return _Cut(open_body(pos, end), 0)
+        return open_empty
+
+    monkeypatch.setattr(ranged, "opener", empty)
     with pytest.raises(StorageError, match="shards/a.tar"):
-        store.fetch_into("shards/a.tar", io.BytesIO(), 0, 100)
+        ranged.StreamReader(store, "shards/a.tar", 100).read_into(0, memoryview(bytearray(100)))
     assert len(calls) == retry.RETRY_ATTEMPTS
 
 
@@ -245,8 +267,8 @@ def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], n
 def _read_in_child(store: Store, parent_fs_id: int, queue: Any) -> None:
     try:
         data = store.read_bytes("obj.bin")
-        ranged = store.read_range("obj.bin", 10, 20)
-        queue.put((data, ranged, id(store.fs) != parent_fs_id))
+        part = ranged.read_range(store, "obj.bin", 10, 20).tobytes()
+        queue.put((data, part, id(store.fs) != parent_fs_id))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put(f"{type(exc).__name__}: {exc}")
 
