@@ -148,19 +148,6 @@ class FileId(NamedTuple):
         return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-@dataclass
-class CacheEntry:
-    """A file that counts against the limit."""
-
-    path: str
-    ns: str
-    file: str
-    size: int  # st_size of a shard; the full reservation of a temp file
-    last_use: int  # ns: a shard's atime (set on every open), a temp file's mtime
-    temp: bool
-    pid: int = 0
-
-
 class HashingSink:
     """Writes a download front to back into its temp file and hashes it as it goes.
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import pytest
 
 from cachefakes import MB, NS, FnReader, Remote, Store, UsageSampler, make_store, wait_for
-from shardkit.cache import shard_cache as cache_mod
+from shardkit.cache import room as room_mod
 from shardkit.cache.shard_cache import ReaderFor, ShardCache, ShardRef
 from shardkit.errors import CacheFullError, NoRoomError
 from shardkit.cache.files import FileLock, file_name
@@ -382,8 +382,8 @@ def test_pinned_shards_are_never_evicted(tmp_path: Path, monkeypatch: pytest.Mon
             # the holder lets go of x while we wait: the open goes through
             threading.Timer(0.5, release.set).start()
             waiter = s.cache(limit, wait_timeout=20)
-            monkeypatch.setattr(cache_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
-            with caplog.at_level("WARNING", logger="shardkit.cache.shard_cache"):
+            monkeypatch.setattr(room_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
+            with caplog.at_level("WARNING", logger="shardkit.cache.room"):
                 assert read_ok(waiter, w, s.remote, s.remote)
             assert waiter.stats()["wait_seconds"] >= 0.3
             assert f"{w.name} waits" in caplog.text and "keep 2 shards open" in caplog.text
