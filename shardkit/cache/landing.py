@@ -74,7 +74,9 @@ class LandingPool:
     def __init__(self) -> None:
         self._mu = threading.Lock()
         self._all: list[Landing] = []
-        self._hot: OrderedDict[str, Landing] = OrderedDict()  # path -> buffer, LRU first
+        # Not util.lru.LRU: nothing here is dropped by count or size; _pick recycles buffers by
+        # pins and reads, in this recency order.
+        self._hot: OrderedDict[str, Landing] = OrderedDict()  # path -> buffer, least recently used first
         os.register_at_fork(after_in_child=self._reset)
 
     def _reset(self) -> None:
