@@ -85,7 +85,11 @@ class KeptMaps:
             return new.map
 
     def forget(self, path: str) -> None:
-        """Drop the map of ``path`` (this process is deleting the file)."""
+        """Drop the map of a file this process is deleting.
+
+        Args:
+            path: the file.
+        """
         with self._mu:
             if path in self._maps:
                 self._drop(path)

@@ -73,15 +73,39 @@ class CacheDir:
             raise ConfigError(f"cache_dir {root} is not usable: {exc}") from exc
 
     def final(self, file: str) -> str:
-        """Where the verified shard ``file`` lives."""
+        """Where a verified shard lives.
+
+        Args:
+            file: its file name (:func:`~shardkit.cache.files.file_name`).
+
+        Returns:
+            The path.
+        """
         return os.path.join(self.root, self.ns, file)
 
     def temp(self, file: str, size: int) -> str:
-        """This process's download of ``file``, reserving ``size`` bytes."""
+        """This process's download of a shard.
+
+        Args:
+            file: its file name.
+            size: the bytes it reserves.
+
+        Returns:
+            The temp file's path.
+        """
         return os.path.join(self.root, self.ns, ".tmp", f"{file}.{size}.{os.getpid()}")
 
     def lock_path(self, ns: str, file: str, kind: str) -> str:
-        """The ``kind`` (``pin`` or ``dl``) lock file of ``file`` in namespace ``ns``."""
+        """A lock file.
+
+        Args:
+            ns: the namespace (eviction locks other namespaces' files too).
+            file: the shard's file name.
+            kind: ``"pin"`` (readers) or ``"dl"`` (the download).
+
+        Returns:
+            The lock file's path.
+        """
         return os.path.join(self.root, ns, ".locks", f"{file}.{kind}")
 
     def gone(self) -> bool:
@@ -90,7 +114,11 @@ class CacheDir:
 
     @contextmanager
     def locked(self, op: int = fcntl.LOCK_EX) -> Iterator[None]:
-        """Hold the global lock (``op``: LOCK_EX, or LOCK_SH to only read the accounting)."""
+        """Hold the global lock for the ``with`` block.
+
+        Args:
+            op: ``LOCK_EX``, or ``LOCK_SH`` to only read the accounting.
+        """
         lock = FileLock.take(os.path.join(self.root, ".global.lock"), op)
         try:
             yield
@@ -117,6 +145,10 @@ class CacheDir:
 
         Call with the global and download locks held, so nobody writes it. Other temp files of
         ``file`` (another size, or longer than it) are deleted.
+
+        Args:
+            file: the shard's file name.
+            size: its size.
 
         Returns:
             The file under this process's name and the bytes in it, or None.

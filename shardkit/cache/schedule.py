@@ -24,7 +24,12 @@ class Schedule:
         self._cursor = 0
 
     def set(self, files: Sequence[str], sizes: Sequence[int] | None = None) -> None:
-        """Replace the schedule with ``files`` (their ``sizes`` if known); the cursor goes back to 0."""
+        """Replace the schedule; the cursor goes back to 0.
+
+        Args:
+            files: file names in need order, repeats allowed.
+            sizes: their sizes, if known.
+        """
         positions: dict[str, list[int]] = {}
         for i, file in enumerate(files):
             positions.setdefault(file, []).append(i)
@@ -33,20 +38,39 @@ class Schedule:
             self._sizes = {} if sizes is None else dict(zip(files, sizes))
 
     def opened(self, file: str) -> None:
-        """``file`` is being opened: the cursor moves to its next position (if it is scheduled)."""
+        """Move the cursor to the next position of a file being opened (if it is scheduled).
+
+        Args:
+            file: the file name.
+        """
         with self._mu:
             nxt = self._next_use(file)
             if nxt is not None:
                 self._cursor = nxt
 
     def next_uses(self, files: Iterable[str], file: str) -> tuple[dict[str, int | None], int | None]:
-        """The next position of each of ``files`` and of ``file`` (None: not needed again), at one instant."""
+        """Next positions, all read at one instant.
+
+        Args:
+            files: file names.
+            file: one more.
+
+        Returns:
+            The next position of each of ``files``, and of ``file`` (None: not needed again).
+        """
         with self._mu:
             return {f: self._next_use(f) for f in files}, self._next_use(file)
 
     def before(self, file: str) -> list[tuple[str, int]]:
-        """The files needed from the cursor up to ``file``'s next use, in order, with their sizes
-        (0 when unknown); none when ``file`` is not scheduled."""
+        """The files needed before a file.
+
+        Args:
+            file: the file name.
+
+        Returns:
+            The files from the cursor up to ``file``'s next use, in order, with their sizes (0
+            when unknown); none when ``file`` is not scheduled.
+        """
         with self._mu:
             mine = self._next_use(file)
             if mine is None:

@@ -163,7 +163,14 @@ class ShardCache:
         self._prefetcher.replace(jobs, at_once)
 
     def contains(self, ref: ShardRef) -> bool:
-        """Whether ``ref`` is in the cache now (it may be evicted right after: open() decides)."""
+        """Whether a shard is in the cache now (it may be evicted right after: :meth:`open` decides).
+
+        Args:
+            ref: the shard.
+
+        Returns:
+            True when its verified file is there.
+        """
         return os.path.exists(self._dir.final(file_name(ref.name)))
 
     def stats(self) -> dict[str, float]:

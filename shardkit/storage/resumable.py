@@ -25,11 +25,22 @@ class Body:
     """One open ranged request: :meth:`readinto` continues it, :meth:`close` ends it."""
 
     def readinto(self, out: memoryview) -> int:
-        """Bytes of the response into the front of ``out``; how many (0: the body ended)."""
+        """Read the response on into the front of ``out``.
+
+        Args:
+            out: a writable, 1-D byte view.
+
+        Returns:
+            Bytes read; 0 when the body ended.
+        """
         raise NotImplementedError
 
     def close(self, complete: bool) -> None:
-        """End the request; ``complete``: its whole range was read (the connection may be reused)."""
+        """End the request.
+
+        Args:
+            complete: its whole range was read (its connection may be reused).
+        """
         raise NotImplementedError
 
 

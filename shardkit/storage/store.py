@@ -119,15 +119,36 @@ class Store:
             self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
 
     def path(self, rel: str) -> str:
-        """The path of ``rel`` (relative to the root) on :attr:`fs`; the root for ``""``."""
+        """The path of ``rel`` on :attr:`fs`.
+
+        Args:
+            rel: a path relative to the root; ``""`` for the root itself.
+
+        Returns:
+            The path, without protocol.
+        """
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
     def url_of(self, rel: str) -> str:
-        """The URL of ``rel`` (relative to the root), for messages."""
+        """The URL of ``rel``, for messages.
+
+        Args:
+            rel: a path relative to the root.
+
+        Returns:
+            ``url/rel``.
+        """
         return f"{self.url}/{rel}"
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
-        """(bucket, key) of ``rel`` on an object store."""
+        """Where ``rel`` lives on an object store.
+
+        Args:
+            rel: a path relative to the root.
+
+        Returns:
+            (bucket, key).
+        """
         bucket, _, key = self.path(rel).partition("/")
         return bucket, key
 
@@ -147,7 +168,13 @@ class Store:
         return retrying(fn, what, self.where)
 
     def exists(self, rel: str) -> bool:
-        """Whether ``rel`` exists (the root for ``""``).
+        """Whether ``rel`` exists.
+
+        Args:
+            rel: a path relative to the root; ``""`` for the root itself.
+
+        Returns:
+            True when it exists.
 
         Raises:
             StorageError: the store cannot be asked (an unreachable HTTP server is not "missing").
@@ -170,7 +197,13 @@ class Store:
         return self.call(check, rel or self.url)
 
     def size(self, rel: str) -> int:
-        """The size of object ``rel`` in bytes.
+        """The size of an object.
+
+        Args:
+            rel: the object, relative to the root.
+
+        Returns:
+            Its size in bytes.
 
         Raises:
             StorageError: it is missing, or the store failed.
@@ -178,7 +211,13 @@ class Store:
         return int(self.call(lambda: self.fs.size(self.path(rel)), rel))
 
     def read_bytes(self, rel: str) -> bytes:
-        """The whole of object ``rel``.
+        """The whole of an object.
+
+        Args:
+            rel: the object, relative to the root.
+
+        Returns:
+            Its bytes.
 
         Raises:
             StorageError: it is missing, or the store failed.
@@ -208,7 +247,11 @@ class Store:
                                  f"up to byte {end}): it was truncated or replaced after it was written")
 
     def put_bytes(self, rel: str, data: bytes) -> None:
-        """Write object ``rel`` (replacing it).
+        """Write an object, replacing it.
+
+        Args:
+            rel: the object, relative to the root.
+            data: its bytes.
 
         Raises:
             StorageError: the store failed.
@@ -217,7 +260,11 @@ class Store:
         self.call(lambda: self.fs.pipe_file(self.path(rel), data), rel)
 
     def put_create(self, rel: str, data: bytes) -> None:
-        """Create object ``rel`` only if it does not exist (S3 ``If-None-Match: *``).
+        """Create an object only if it does not exist (S3 ``If-None-Match: *``).
+
+        Args:
+            rel: the object, relative to the root.
+            data: its bytes.
 
         Raises:
             DatasetExistsError: the key exists (another writer committed first).
@@ -236,7 +283,11 @@ class Store:
         self.call(put, rel)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
-        """Delete ``rel`` (with everything under it when ``recursive``); gone already is fine.
+        """Delete ``rel``; gone already is fine.
+
+        Args:
+            rel: a path relative to the root.
+            recursive: also everything under it.
 
         Raises:
             StorageError: the store failed.
@@ -255,6 +306,12 @@ class Store:
         answers later size and existence queries from them: the listing is dropped before and
         after, or a reader here would see objects and sizes from before they changed.
 
+        Args:
+            folder: a folder relative to the root.
+
+        Returns:
+            Paths relative to the root.
+
         Raises:
             StorageError: the store failed.
         """
@@ -265,7 +322,13 @@ class Store:
             self.fs.invalidate_cache(self.path(folder))
 
     def glob(self, pattern: str) -> list[str]:
-        """Relative paths under the root matching ``pattern``, sorted.
+        """Paths under the root matching a glob.
+
+        Args:
+            pattern: a glob relative to the root.
+
+        Returns:
+            Matching paths relative to the root, sorted.
 
         Raises:
             StorageError: the store failed.
@@ -275,7 +338,14 @@ class Store:
         return sorted(p[len(prefix):] if p.startswith(prefix) else p for p in found)
 
     def open_write(self, rel: str, block_size: int = 8 * 2**20) -> BinaryIO:
-        """A streaming writer of ``rel`` (a multipart upload on S3, buffering ``block_size`` bytes).
+        """A streaming writer of an object (a multipart upload on S3).
+
+        Args:
+            rel: the object, relative to the root.
+            block_size: bytes buffered before each part goes.
+
+        Returns:
+            A binary file open for writing; closing it completes the object.
 
         Raises:
             StorageError: the store failed.
