@@ -22,6 +22,7 @@ from shardkit.storage.ranged import RangeReader, read_fully
 
 log = logging.getLogger(__name__)
 
+
 def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndarray, int] | None:
     """(block checksums, block size) of sample ``pos``, or None when it has none."""
     digests = rows.block_checksums(pos)
