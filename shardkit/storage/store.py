@@ -10,7 +10,6 @@ translated into a :mod:`shardkit.errors` class whose message names the object, n
 from __future__ import annotations
 
 import errno
-import functools
 import os
 from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
@@ -21,6 +20,7 @@ from shardkit.storage.filesystem import open_fs, reopen_fs
 from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import retrying, translate
 from shardkit.storage.s3client import s3_client
+from shardkit.storage.uploads import abort_multipart_uploads
 from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["Store"]
@@ -119,36 +119,15 @@ class Store:
             self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
 
     def path(self, rel: str) -> str:
-        """The path of ``rel`` on :attr:`fs`.
-
-        Args:
-            rel: a path relative to the root; ``""`` for the root itself.
-
-        Returns:
-            The path, without protocol.
-        """
+        """The path on :attr:`fs` (no protocol) of ``rel``, a path relative to the root (``""``: the root)."""
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
     def url_of(self, rel: str) -> str:
-        """The URL of ``rel``, for messages.
-
-        Args:
-            rel: a path relative to the root.
-
-        Returns:
-            ``url/rel``.
-        """
+        """The URL of ``rel``, a path relative to the root, for messages."""
         return f"{self.url}/{rel}"
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
-        """Where ``rel`` lives on an object store.
-
-        Args:
-            rel: a path relative to the root.
-
-        Returns:
-            (bucket, key).
-        """
+        """(bucket, key) of ``rel``, a path relative to the root, on an object store."""
         bucket, _, key = self.path(rel).partition("/")
         return bucket, key
 
@@ -360,8 +339,8 @@ class Store:
         """Abort the incomplete multipart uploads whose keys lie under ``folders``.
 
         S3 keeps the parts of an upload whose writer died, invisible in listings and billed,
-        until it is aborted; elsewhere a dead writer leaves a temp file or nothing, so this
-        does nothing there.
+        until it is aborted (:mod:`~shardkit.storage.uploads`); elsewhere a dead writer leaves
+        a temp file or nothing, so this does nothing there.
 
         Args:
             folders: folders relative to the root.
@@ -374,31 +353,7 @@ class Store:
         """
         if not self.is_s3:
             return []
-        fs = self.fs
-        aborted: list[str] = []
-        for folder in folders:
-            bucket, prefix = self.bucket_key(folder)
-            prefix = prefix.rstrip("/") + "/"
-            params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            while True:
-                page = self.call(functools.partial(fs.call_s3, "list_multipart_uploads", **params),
-                                 f"{folder}/ (multipart uploads)")
-                for up in page.get("Uploads") or []:
-                    key = up["Key"]
-                    if key.startswith(prefix):  # a store that ignores Prefix lists the whole bucket
-                        self.call(functools.partial(self._abort_upload, bucket, key, up["UploadId"]), key)
-                        aborted.append(key)
-                if not page.get("IsTruncated"):
-                    break
-                params = {"Bucket": bucket, "Prefix": prefix, "KeyMarker": page.get("NextKeyMarker", ""),
-                          "UploadIdMarker": page.get("NextUploadIdMarker", "")}
-        return aborted
-
-    def _abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
-        try:
-            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-        except FileNotFoundError:
-            pass  # completed or aborted meanwhile (NoSuchUpload)
+        return abort_multipart_uploads(self.fs, [(folder, *self.bucket_key(folder)) for folder in folders], self.call)
 
     def boto3_client(self) -> Any | None:
         """A boto3 client for this store, or None when its options are s3fs-only (use fsspec).
