@@ -42,7 +42,7 @@ def _check_scheme(url: str, what: str) -> None:
     import fsspec
     from fsspec.core import split_protocol
 
-    from shardkit.storage.store import refuse_url_credentials
+    from shardkit.storage.urls import refuse_url_credentials
 
     refuse_url_credentials(url, what)  # before any message repeats the URL
     for part in url.split("::"):  # chained URLs: simplecache::s3://...

@@ -1,11 +1,10 @@
 """On-disk primitives of the node cache: flock locks that die with their holder, file names,
-liveness of temp-file owners, and a sink that hashes a download while it is written."""
+the "verified" stamp, and a sink that hashes a download while it is written."""
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
-import io
 import mmap
 import os
 import time
@@ -16,6 +15,11 @@ from urllib.parse import quote
 import xxhash
 
 from shardkit.errors import IntegrityError
+from shardkit.util.libc import libc_function
+
+__all__ = ["ShardRef", "FileLock", "close_inherited_locks", "preallocate", "file_name", "write_replace",
+           "unlink_quiet", "list_with_stat", "FileId", "HashingSink", "hash_fd", "verified_stamp_ns",
+           "stamp_verified", "mark_used"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,11 @@ class ShardRef:
 
 
 class FileLock:
-    """One flock on its own open file description, so threads exclude each other too."""
+    """One flock on its own open file description, so threads exclude each other too.
+
+    Args:
+        fd: the locked file (made by :meth:`take` or :meth:`try_take`).
+    """
 
     held: ClassVar[set[int]] = set()  # fds locked by this process; closed in forked children
 
@@ -43,12 +51,28 @@ class FileLock:
 
     @classmethod
     def take(cls, path: str, op: int = fcntl.LOCK_EX) -> FileLock:
-        """Lock ``path`` (created if missing), waiting as long as it takes."""
+        """Lock ``path`` (created if missing), waiting as long as it takes.
+
+        Args:
+            path: the lock file.
+            op: ``LOCK_EX`` or ``LOCK_SH``.
+
+        Returns:
+            The lock.
+        """
         return cast(FileLock, cls.try_take(path, op))
 
     @classmethod
     def try_take(cls, path: str, op: int) -> FileLock | None:
-        """Like :meth:`take`; None when ``op`` has LOCK_NB and the lock is taken."""
+        """Lock ``path`` (created if missing).
+
+        Args:
+            path: the lock file.
+            op: ``LOCK_EX`` or ``LOCK_SH``, with ``LOCK_NB`` to give up instead of waiting.
+
+        Returns:
+            The lock, or None when ``op`` has LOCK_NB and the lock is taken.
+        """
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, op)
@@ -61,6 +85,7 @@ class FileLock:
         return cls(fd)
 
     def release(self) -> None:
+        """Unlock and close (only in the process that took it)."""
         # A forked child shares the parent's lock; only the process that took it unlocks.
         if self.fd >= 0 and self.pid == os.getpid():
             FileLock.held.discard(self.fd)
@@ -70,6 +95,7 @@ class FileLock:
 
 
 def close_inherited_locks() -> None:
+    """Close, in a forked child, the lock files its parent held (run at every fork)."""
     # Else a DataLoader worker forked while the parent holds a lock would keep that lock
     # alive after the parent dies: "locks die with their holder" would no longer hold.
     for fd in list(FileLock.held):
@@ -79,11 +105,8 @@ def close_inherited_locks() -> None:
 
 os.register_at_fork(after_in_child=close_inherited_locks)
 
-try:
-    _fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-except (OSError, AttributeError):  # not glibc: the reservation stays logical only
-    _fallocate = None  # type: ignore[assignment]
+# None where the C library has no fallocate: the reservation then stays logical only.
+_fallocate = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 
 
 def preallocate(fd: int, size: int) -> None:
@@ -91,13 +114,24 @@ def preallocate(fd: int, size: int) -> None:
 
     st_size then keeps meaning "bytes downloaded so far", the point a resume starts from; a
     failure (e.g. EOPNOTSUPP) only loses the early ENOSPC.
+
+    Args:
+        fd: the file, open for writing.
+        size: bytes to reserve from offset 0.
     """
     if _fallocate is not None and size > 0:
         _fallocate(fd, 1, 0, size)
 
 
 def file_name(name: str) -> str:
-    """An injective, flat, non-hidden file name for a shard name."""
+    """An injective, flat, non-hidden file name for a shard name.
+
+    Args:
+        name: the shard's path relative to the dataset root.
+
+    Returns:
+        Its percent-quoted name (a digest ends a name that would be too long).
+    """
     q = quote(name, safe="")
     q = "%2E" + q[1:] if q.startswith(".") else q
     if len(q) > 200:  # stay under NAME_MAX with suffixes; "%%" never occurs in quoted text
@@ -105,19 +139,17 @@ def file_name(name: str) -> str:
     return q
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
 def write_replace(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp name of this process and a rename, so a
-    reader sees the old file or the whole new one, never a part (OSError is the caller's)."""
+    """Write a file through a temp name of this process and a rename, so a reader sees the old
+    file or the whole new one, never a part.
+
+    Args:
+        path: the file.
+        data: its new bytes.
+
+    Raises:
+        OSError: the write or the rename failed (the caller decides what that means).
+    """
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -125,6 +157,11 @@ def write_replace(path: str, data: bytes) -> None:
 
 
 def unlink_quiet(path: str) -> None:
+    """Delete a file; one already gone is fine.
+
+    Args:
+        path: the file.
+    """
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -132,7 +169,14 @@ def unlink_quiet(path: str) -> None:
 
 
 def list_with_stat(path: str) -> list[tuple[os.DirEntry[str], os.stat_result]]:
-    """Entries with their lstat; entries removed meanwhile are left out."""
+    """A directory's entries with their lstat.
+
+    Args:
+        path: the directory (a missing one has no entries).
+
+    Returns:
+        (entry, lstat) pairs; entries removed meanwhile are left out.
+    """
     out = []
     try:
         with os.scandir(path) as it:
@@ -156,60 +200,59 @@ class FileId(NamedTuple):
 
     @staticmethod
     def of(st: os.stat_result) -> FileId:
+        """The version of a file that ``st`` (its stat) describes."""
         return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-@dataclass
-class CacheEntry:
-    """A file that counts against the limit."""
+class HashingSink:
+    """Writes a download front to back into its temp file and hashes it as it goes.
 
-    path: str
-    ns: str
-    file: str
-    size: int  # st_size of a shard; the full reservation of a temp file
-    last_use: int  # ns: a shard's atime (set on every open), a temp file's mtime
-    temp: bool
-    pid: int = 0
-
-
-class HashingSink(io.RawIOBase):
-    """The ``out`` given to fetch: writes through to the temp file and hashes as it goes."""
+    Args:
+        fd: the temp file, open for writing.
+        ref: the shard (its size bounds the file).
+        start: bytes already in the file (a resumed download): they are hashed first.
+    """
 
     def __init__(self, fd: int, ref: ShardRef, start: int) -> None:
-        super().__init__()
-        self._fd, self._ref, self.pos, self.overflow = fd, ref, start, False
+        self._fd, self._ref, self.pos = fd, ref, start
         self._hash = xxhash.xxh3_128()
         if start:  # resuming: hash the bytes already there
             with mmap.mmap(fd, start, access=mmap.ACCESS_READ) as m:
                 self._hash.update(m)
         os.lseek(fd, start, os.SEEK_SET)
 
-    def writable(self) -> bool:
-        return True
+    def write(self, data: memoryview) -> None:
+        """Append bytes to the file and the hash.
 
-    def tell(self) -> int:
-        return self.pos
+        Args:
+            data: the next bytes of the download.
 
-    def write(self, b: object) -> int:  # type: ignore[override]
-        mv = memoryview(b).cast("B")  # type: ignore[arg-type]
-        if self.overflow or self.pos + mv.nbytes > self._ref.size:
-            self.overflow = True  # never write past the reservation
+        Raises:
+            IntegrityError: the file would grow past the shard's size.
+        """
+        if self.pos + data.nbytes > self._ref.size:  # never write past the reservation
             raise IntegrityError(f"shard {self._ref.name}: fetch wrote more than its {self._ref.size} bytes")
-        self._hash.update(mv)
-        left = mv
+        self._hash.update(data)
+        left = data
         while left.nbytes:
             left = left[os.write(self._fd, left):]
-        self.pos += mv.nbytes
-        return mv.nbytes
+        self.pos += data.nbytes
 
     def digest(self) -> str:
+        """The xxh3-128 hex digest of the file's bytes so far."""
         return self._hash.hexdigest()
-
-    def ok(self) -> bool:
-        return not self.overflow and self.pos == self._ref.size and self.digest() == self._ref.checksum.lower()
 
 
 def hash_fd(fd: int, size: int) -> str:
+    """The xxh3-128 of a file's first bytes, read through a map.
+
+    Args:
+        fd: the file, open for reading.
+        size: bytes to hash.
+
+    Returns:
+        The hex digest.
+    """
     if size == 0:
         return xxhash.xxh3_128_hexdigest(b"")
     with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
@@ -225,6 +268,12 @@ def verified_stamp_ns(checksum: str) -> int:
     Any later write to the file sets its mtime to the current time, so "mtime equals the
     stamp" means "unchanged since verified", for every process on the node: a warm epoch
     does not hash every shard again. Whole seconds, so coarse-timestamp file systems keep it.
+
+    Args:
+        checksum: the shard's xxh3-128 hex digest.
+
+    Returns:
+        The stamp, in nanoseconds since the epoch.
     """
     try:
         spread = int(checksum[:8], 16)
@@ -234,12 +283,22 @@ def verified_stamp_ns(checksum: str) -> int:
 
 
 def stamp_verified(fd: int, checksum: str) -> None:
-    """Mark the file as verified (mtime = stamp) and used now (atime: the LRU clock)."""
+    """Mark a file as verified (mtime = stamp) and used now (atime: the LRU clock).
+
+    Args:
+        fd: the file.
+        checksum: the xxh3-128 its bytes matched.
+    """
     mark_used(fd, verified_stamp_ns(checksum))
 
 
 def mark_used(fd: int, mtime_ns: int) -> None:
-    """Set atime (the LRU clock) to now and mtime to ``mtime_ns``."""
+    """Set a file's atime (the LRU clock) to now, best effort.
+
+    Args:
+        fd: the file.
+        mtime_ns: the mtime to set (its own, to leave it as it is).
+    """
     try:
         os.utime(fd, ns=(time.time_ns(), mtime_ns))
     except OSError:  # not the file's owner: no stamp (verified again next time), no LRU touch

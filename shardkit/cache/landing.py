@@ -1,10 +1,9 @@
 """Landing buffers: where a cold shard's ranged GETs land before the cache file is written.
 
 A cold cache fill through a map of the new file makes the kernel hand out a fresh page-cache
-page for every 4 KiB, and on the benchmark VM memory the guest has not touched lately comes
-slowly (0.7-1.8 GB/s, ``benchmarks/bench_fill.py``): ~0.7 s of extra client CPU per 1.27 GB,
-on 2 cores the GETs already keep busy. So the fill of a reader that only copies out of its
-shards, alone in its process (``num_workers=0``), goes instead:
+page for every 4 KiB, and memory a VM guest has not touched lately can come slowly
+(``benchmarks/bench_fill.py``): client CPU the GETs already need. So the fill of a reader
+that only copies out of its shards, alone in its process (``num_workers=0``), goes instead:
 
 1. ranged GETs into a landing buffer: anonymous memory this process reuses shard after shard;
 2. each part written to the temp file with ``O_DIRECT`` as it lands (the kernel moves it to
@@ -12,11 +11,9 @@ shards, alone in its process (``num_workers=0``), goes instead:
 3. the buffer stays attached to the published file (*hot*), so this process's first reads of
    the shard copy from memory instead of reading the file back from disk.
 
-Measured (``benchmarks/bench_cold.py``, 1.27 GB cold epochs, 2 read threads, rounds
-interleaved): 1.22-1.36 s against 1.48-1.53 s through maps, 0.74-0.76x the GET ceiling with
-SeaweedFS on the same 2 cores and 0.81-0.98x with it on a core of its own; 0.86-1.04x of a
-floor that only GETs, hashes, writes and copies the same bytes (``benchmarks/RESULTS.md``).
-The process's first landing epoch also touches its buffers for the first time.
+Cold epochs fill faster this way than through maps (``benchmarks/bench_cold.py``, figures in
+benchmarks/RESULTS.md). The process's first landing epoch also touches its buffers for the
+first time.
 
 The file still holds every byte, verified: other processes, later epochs and a restart read
 it as before. Not in the page cache after the fill is the point for a dataset larger than
@@ -52,7 +49,11 @@ _GRAIN = 2**20  # buffer sizes round up to this, so shards of nearly equal size 
 
 
 class Landing:
-    """One reusable page-aligned buffer of ``capacity`` bytes (a multiple of :data:`BLOCK`)."""
+    """One reusable page-aligned buffer of ``capacity`` bytes (a multiple of :data:`BLOCK`).
+
+    Args:
+        capacity: its bytes (anonymous memory, mapped now, touched by the first fill).
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -74,7 +75,9 @@ class LandingPool:
     def __init__(self) -> None:
         self._mu = threading.Lock()
         self._all: list[Landing] = []
-        self._hot: OrderedDict[str, Landing] = OrderedDict()  # path -> buffer, LRU first
+        # Not util.lru.LRU: nothing here is dropped by count or size; _pick recycles buffers by
+        # pins and reads, in this recency order.
+        self._hot: OrderedDict[str, Landing] = OrderedDict()  # path -> buffer, least recently used first
         os.register_at_fork(after_in_child=self._reset)
 
     def _reset(self) -> None:
@@ -83,7 +86,18 @@ class LandingPool:
         self._all, self._hot = [], OrderedDict()
 
     def take(self, size: int) -> Landing | None:
-        """A pinned buffer for a ``size``-byte shard, or None (over budget, or all in use)."""
+        """A pinned buffer for a ``size``-byte shard.
+
+        Args:
+            size: the shard's bytes.
+
+        Returns:
+            The buffer (pinned: :meth:`publish` or :meth:`release` it), or None when the shard
+            is over the budget or every buffer the budget allows is in use.
+
+        Raises:
+            ConfigError: ``SHARDKIT_LANDING_BYTES`` is not a size.
+        """
         need = -(-max(size, 1) // _GRAIN) * _GRAIN
         budget = landing_budget()
         if need > budget:
@@ -105,11 +119,10 @@ class LandingPool:
 
         Reuse comes before new memory: a process then holds only as many buffers as it has
         downloads in flight, shards open and shards landed ahead of the reader, and memory never
-        touched before is what a landing fill avoids (on the benchmark VM first touch runs at
-        0.7-1.8 GB/s). But a shard landed ahead has not been read yet: recycling its buffer
-        would send its reader to the disk (a file written with ``O_DIRECT`` is not in the page
-        cache), which costs more than new memory. A process's first epoch did that for about
-        half its shards.
+        touched before is what a landing fill avoids. But a shard landed ahead has not been read
+        yet: recycling its buffer would send its reader to the disk (a file written with
+        ``O_DIRECT`` is not in the page cache), which costs more than new memory; a process's
+        first epoch used to do that for many of its shards.
         """
         idle = [b for b in self._all if b.pins == 0]
         empty = [b for b in idle if b.hot is None and b.capacity >= need]
@@ -148,8 +161,14 @@ class LandingPool:
             pass
 
     def publish(self, buf: Landing, path: str, st: os.stat_result) -> None:
-        """``buf`` now holds the verified file ``path`` (as ``st`` describes it): unpin it, and
-        let :meth:`hot` hand it to readers until it is recycled."""
+        """``buf`` now holds the verified file ``path``: unpin it, and let :meth:`hot` hand it
+        to readers until it is recycled.
+
+        Args:
+            buf: the buffer a fill pinned.
+            path: the published cache file.
+            st: its stat (a later change of the file makes the buffer stale).
+        """
         with self._mu:
             old = self._hot.pop(path, None)
             if old is not None and old is not buf:
@@ -159,7 +178,15 @@ class LandingPool:
             buf.pins -= 1
 
     def hot(self, path: str, st: os.stat_result) -> Landing | None:
-        """The buffer holding the file ``path`` exactly as ``st`` describes it, pinned; or None."""
+        """The buffer holding the file ``path`` exactly as ``st`` describes it.
+
+        Args:
+            path: a cache file.
+            st: its stat now.
+
+        Returns:
+            The buffer, pinned for the caller (:meth:`release` it), or None.
+        """
         with self._mu:
             buf = self._hot.get(path)
             if buf is None or buf.hot is None or buf.hot[1] != FileId.of(st):
@@ -170,18 +197,27 @@ class LandingPool:
             return buf
 
     def release(self, buf: Landing) -> None:
-        """Unpin (a fill that failed, or a reader done with it)."""
+        """Unpin a buffer (a fill that failed, or a reader done with it).
+
+        Args:
+            buf: the buffer.
+        """
         with self._mu:
             buf.pins -= 1
 
     def forget(self, path: str) -> None:
-        """The file at ``path`` is going away: its buffer holds nothing any more."""
+        """Forget the buffer of a file that is going away: it holds nothing any more.
+
+        Args:
+            path: the cache file.
+        """
         with self._mu:
             buf = self._hot.pop(path, None)
             if buf is not None:
                 buf.hot = None
 
     def held_bytes(self) -> int:
+        """Bytes of buffer memory this process holds."""
         with self._mu:
             return sum(b.capacity for b in self._all)
 
@@ -193,6 +229,7 @@ class LandingPool:
 
 
 LANDING = LandingPool()
+"""This process's landing buffers."""
 
 
 class DirectWriter:
@@ -200,7 +237,12 @@ class DirectWriter:
     where the file system takes it (ordinary ``pwrite`` otherwise). Thread-safe: ranged GET
     threads write their parts as they land. Offsets must be multiples of :data:`BLOCK`; a
     range may end anywhere (the write rounds up into the buffer's slack, :meth:`finish` cuts
-    the file back to ``size``)."""
+    the file back to ``size``).
+
+    Args:
+        path: the temp file (opened again here, for writing).
+        buf: the landing buffer the bytes are in.
+    """
 
     def __init__(self, path: str, buf: Landing) -> None:
         self.buf, self.path = buf, path
@@ -215,7 +257,15 @@ class DirectWriter:
         self.direct = bool(fcntl.fcntl(self._fd, fcntl.F_GETFL) & _O_DIRECT)
 
     def write(self, lo: int, hi: int) -> None:
-        """Write buffer bytes ``[lo, hi)`` to the file at ``lo``."""
+        """Write buffer bytes ``[lo, hi)`` to the file at ``lo`` (a :data:`~shardkit.storage.ranged.PartCallback`).
+
+        Args:
+            lo: first byte, a multiple of :data:`BLOCK`.
+            hi: the byte after the last.
+
+        Raises:
+            OSError: the write failed (ENOSPC...), other than a refused ``O_DIRECT`` alignment.
+        """
         if hi <= lo:
             return
         end = min(-(-hi // BLOCK) * BLOCK, self.buf.capacity) if self.direct else hi
@@ -245,11 +295,16 @@ class DirectWriter:
 
     @property
     def written(self) -> int:
+        """Bytes written so far."""
         with self._mu:
             return self._written
 
     def finish(self, size: int) -> None:
-        """Cut the file to ``size`` (the last block was written whole) and close it."""
+        """Cut the file to its size (the last block was written whole) and close it.
+
+        Args:
+            size: the shard's bytes.
+        """
         try:
             os.ftruncate(self._fd, size)
         finally:
@@ -257,6 +312,7 @@ class DirectWriter:
             self._fd = -1
 
     def close(self) -> None:
+        """Close the file without cutting it (a fill that failed)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from shardkit.cache.shard_cache import CachedShard
+from shardkit.cache.shard_cache import CachedShard, ShardRef
 from shardkit.config import checked_cache_dir, parse_size
 from shardkit.datasets.array_reads import (Fetch, NpyHeader, array_at, member_name, member_span, read_npy_header,
                                           read_rows, select_rows)
@@ -43,7 +43,7 @@ from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 from shardkit.read.samples import sample_dict
 from shardkit.read.shard_source import cache_namespace
-from shardkit.storage.ranged import ByteCounter, Transport, choose_transport, read_into
+from shardkit.storage.ranged import ByteCounter, RangedReader, StreamReader, Transport, choose_transport, read_fully
 from shardkit.util.lru import LRU
 
 try:  # torch is optional: without it ShardDataset is a plain sequence-like object
@@ -243,14 +243,14 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
     # ---- the node cache -------------------------------------------------------------------
 
-    def _fetch_shard(self, ref: Any, out: Any, start: int) -> None:
-        self.ds.store.fetch_into(ref.name, out, start, ref.size, progress=lambda n: self._counter.add(n),
-                                 on_request=lambda: self._counter.add(requests=1))
+    def _shard_reader(self, ref: ShardRef) -> StreamReader:
+        """The cache's reader of a whole shard (``cache_shards``): one stream, counted in stats."""
+        return StreamReader(self.ds.store, ref.name, ref.size, counter=self._counter)
 
     def _cached(self, info: ShardInfo) -> CachedShard | None:
         """The mapped shard if it is in the cache (or ``cache_shards`` fetches it), else None."""
         self._local()
-        return None if self._cache is None else self._cache.open(info, self._fetch_shard)
+        return None if self._cache is None else self._cache.open(info, self._shard_reader)
 
     def _verify_cached(self, cached: CachedShard, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> None:
         if self._cache is not None:
@@ -286,21 +286,20 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             view, base = self._read_sample(info, rows, pos, i).data, int(rows.offset[pos])
         return self._decoder(sample_dict(view, base, rows, pos, i, info.path))
 
-    def _read(self, info: ShardInfo, start: int, end: int, out: np.ndarray | memoryview | bytearray) -> None:
-        read_into(self.ds.store, info.path, start, end, out, self.part_size, self.concurrency,
-                  transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
+    def _reader(self, info: ShardInfo) -> RangedReader:
+        """A reader of ``info``'s shard: ranged GETs of ``part_size``, ``concurrency`` at a time."""
+        return RangedReader(self.ds.store, info.path, part_size=self.part_size, concurrency=self.concurrency,
+                            transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
 
     def _read_sample(self, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
-        return read_sample(lambda a, b, out: self._read(info, a, b, out), info, rows, pos, index)
+        return read_sample(self._reader(info), info, rows, pos, index)
 
     def _fetcher(self, info: ShardInfo, rows: ShardRows, pos: int, index: int, checked: bool) -> Fetch:
         """Reads of sample ``pos``'s bytes for one call: checked (whole blocks, or the whole
         sample) or exactly the range asked for; a range inside a read already made is served
         from it (the header's block often holds the rows asked for too)."""
         done: list[tuple[np.ndarray, int]] = []
-
-        def read(a: int, b: int, out: np.ndarray) -> None:
-            self._read(info, a, b, out)
+        read = self._reader(info)
 
         def fetch(start: int, end: int) -> tuple[np.ndarray, int]:
             for buf, base in done:
@@ -310,7 +309,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                 got = read_checked(read, info, rows, pos, index, start, end)
             else:
                 got = (np.empty(end - start, dtype=np.uint8), start)
-                read(start, end, got[0])
+                read_fully(read, start, got[0].data, info.path)
             done.append(got)
             return got
 

@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from shardkit.cache.files import pid_alive
+from shardkit.util.procs import pid_alive
 from shardkit.errors import DatasetExistsError, ShardkitError, StorageError
 from shardkit.storage.store import Store
 

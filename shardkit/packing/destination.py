@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardkit.cache.files import pid_alive
+from shardkit.util.procs import pid_alive
 from shardkit.errors import ConfigError, DatasetExistsError, ShardkitError
 from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET
 from shardkit.read.manifest import read_info

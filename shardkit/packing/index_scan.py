@@ -20,7 +20,13 @@ from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.format.tarscan import TarMember, scan_tar, wds_split
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.sample import case_clash_reason
-from shardkit.storage.store import Store, attempts_for, is_transient, pause_before_retry, translate
+from shardkit.storage.retry import (
+    attempts_for,
+    is_transient,
+    pause_before_retry,
+    translate,
+)
+from shardkit.storage.store import Store
 
 __all__ = ["MAX_GAP", "READ_CHUNK", "index_tar"]
 

@@ -11,7 +11,6 @@ transit (gone on the second read) from corruption at rest (an IntegrityError).
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import numpy as np
 import xxhash
@@ -19,20 +18,18 @@ import xxhash
 from shardkit.errors import IntegrityError, ManifestError
 from shardkit.format.checksums import bad_blocks, block_span
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
+from shardkit.storage.ranged import RangeReader, read_fully
 
-__all__ = ["ReadRange", "read_checked", "read_sample"]
+__all__ = ["read_checked", "read_sample"]
 
 log = logging.getLogger(__name__)
 
-# Fills its buffer with the shard's bytes [start, end).
-ReadRange = Callable[[int, int, np.ndarray], None]
 
-
-def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
+def read_sample(read: RangeReader, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> np.ndarray:
     """The whole of sample ``pos``, its checksum checked (read a second time if it fails).
 
     Args:
-        read: fills a buffer with shard bytes.
+        read: the shard object's reader.
         info: the shard's row of shards.parquet.
         rows: its manifest rows.
         pos: the sample's position in the shard.
@@ -51,7 +48,7 @@ def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, ind
                             f"beyond {info.path} ({info.bytes} bytes)")
     buf = np.empty(size, dtype=np.uint8)
     for attempt in (1, 2):
-        read(start, start + size, buf)
+        read_fully(read, start, buf.data, info.path)
         if xxhash.xxh3_64_intdigest(buf.data) == int(rows.checksum[pos]):
             return buf
         log.warning("sample %r (index %d) in %s failed its checksum (attempt %d)", rows.key(pos), index,
@@ -60,13 +57,13 @@ def read_sample(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, ind
                          "(corrupt bytes on storage)")
 
 
-def read_checked(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, index: int, start: int,
+def read_checked(read: RangeReader, info: ShardInfo, rows: ShardRows, pos: int, index: int, start: int,
                  end: int) -> tuple[np.ndarray, int]:
     """Checked bytes of sample ``pos`` covering the shard range ``[start, end)``: the blocks
     around the range, or the whole sample when it has no block checksums.
 
     Args:
-        read: fills a buffer with shard bytes.
+        read: the shard object's reader.
         info: the shard's row of shards.parquet.
         rows: its manifest rows.
         pos: the sample's position in the shard.
@@ -90,7 +87,7 @@ def read_checked(read: ReadRange, info: ShardInfo, rows: ShardRows, pos: int, in
     buf = np.empty(hi - lo, dtype=np.uint8)
     bad: list[int] = []
     for attempt in (1, 2):
-        read(lo, hi, buf)
+        read_fully(read, lo, buf.data, info.path)
         bad = bad_blocks(buf, first, digests, block_bytes)
         if not bad:
             return buf, lo

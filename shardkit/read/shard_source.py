@@ -18,7 +18,7 @@ import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Callable, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 import xxhash
@@ -26,7 +26,7 @@ import xxhash
 from shardkit.storage import ranged
 
 from shardkit.read import segments
-from shardkit.cache.shard_cache import CachedShard, Fetch, FetchInto, ShardCache, ShardRef, reports_parts
+from shardkit.cache.shard_cache import CachedShard, ShardCache, ShardRef
 from shardkit.errors import IntegrityError, NoRoomError
 from shardkit.read.dataset import Dataset
 from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
@@ -42,11 +42,9 @@ HeldKey = Union[int, tuple[int, int]]
 
 # Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
 # FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
-# file (one copy, socket -> page cache). Measured on the 2-core benchmark box (SeaweedFS on
-# loopback, 20 x 64 MB shards, 2 workers): ~1.4x the rate of one botocore stream written
-# through a file (iter_chunks allocates every chunk, then copies it again); 2 and 1 parts at a
-# time tied here, 4 was up to 10% slower (and within the noise with landing fills). Real S3
-# caps one connection well below the link (~100 MB/s), so 2 is the default; raise it there.
+# file or a landing buffer (one copy from the socket), faster than one stream written through
+# a file (see benchmarks/RESULTS.md). More parts at a time did not help on loopback; real S3
+# caps each connection well below the link, so raise FETCH_CONCURRENCY there.
 FETCH_PART_SIZE = 16 * 2**20
 FETCH_CONCURRENCY = 2
 # Reads without a cache: segments (see segments) fetched at once per reader, and read ahead.
@@ -74,9 +72,9 @@ class Held:
     """Bytes of one shard held open for the reader: ``view`` starts at shard byte ``base``.
 
     A cached shard (``handle``) is mapped only when ``view`` or ``array`` is first used: raw
-    batches copy its members with ``os.preadv`` from ``fd`` instead, because mapping page-cache
-    pages costs more than copying them (PERF: ~0.4 us per 4 KiB page faulted in on this VM,
-    against ~0.3 us to copy it), and every fresh DataLoader worker would map them again.
+    batches copy its members with ``os.preadv`` from ``fd`` instead, because faulting
+    page-cache pages into a map costs more than copying them (see benchmarks/RESULTS.md), and
+    every fresh DataLoader worker would map them again.
     """
 
     def __init__(self, base: int, end: int, *, handle: CachedShard | None = None,
@@ -145,8 +143,9 @@ class ShardSource:
         self.cache = cache
         self.prefetch = prefetch
         self.max_open = max(1, max_open)
-        self.bytes_fetched = 0
-        self._fetched_mu = threading.Lock()  # the cache's prefetch thread counts too
+        self.bytes_fetched = 0  # read around the cache, or without one
+        self._fetched_mu = threading.Lock()
+        self.downloads = ranged.ByteCounter()  # what cache downloads moved (the prefetch thread's too)
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
         self.uncached_reads = 0  # shards read around a cache that had no room (see read_uncached)
@@ -181,42 +180,27 @@ class ShardSource:
     def layout(self, shard: int) -> FieldLayout | None:
         return self.rows(shard).layout
 
-    # ---- cache download hooks -------------------------------------------------------------
+    # ---- cache downloads ------------------------------------------------------------------
 
-    @property
-    def fetch(self) -> Fetch | FetchInto:
-        """The cache's download callback for this store.
+    def fetch(self, ref: ShardRef) -> ranged.RangeReader:
+        """The reader the cache downloads ``ref`` with (a :data:`~shardkit.cache.shard_cache.ReaderFor`).
 
-        S3 with the boto3 transport: :meth:`fetch_ranged` (ranged GETs into the map of the
-        temp file). Anything else: :meth:`fetch_stream` (one sequential stream).
+        S3 with the boto3 transport: a parallel reader, ranged GETs of ``FETCH_PART_SIZE``,
+        ``FETCH_CONCURRENCY`` at a time, each part resumed on its own after a transient fault.
+        Anything else: one sequential stream, resumed by the cache from what landed.
+
+        Args:
+            ref: the shard.
+
+        Returns:
+            A new reader of the shard's object; both count into :attr:`downloads`.
         """
         if self._ranged is None:
             self._ranged = ranged.choose_transport(self.store) == "boto3"
-        return self.fetch_ranged if self._ranged else self.fetch_stream
-
-    def fetch_stream(self, ref: ShardRef, out: BinaryIO, start: int) -> None:
-        """Bytes ``[start, ref.size)`` as one stream (resumed by the store on a fault)."""
-        def count(n: int) -> None:
-            with self._fetched_mu:
-                self.bytes_fetched += n
-        self.store.fetch_into(ref.name, out, start, ref.size, progress=count)
-
-    @reports_parts
-    def fetch_ranged(self, ref: ShardRef, view: memoryview, start: int,
-                     landed: Callable[[int, int], None] | None = None) -> int:
-        """Fill ``view[start:]`` with ranged GETs of ``FETCH_PART_SIZE``, ``FETCH_CONCURRENCY``
-        at a time; a shard of fewer than two parts is one GET in this thread. Each part resumes
-        on its own after a transient fault, then is reported to ``landed`` (shard offsets).
-        Returns the bytes that landed."""
-        counter = ranged.ByteCounter()
-        on_part = None if landed is None else (lambda lo, hi: landed(start + lo, start + hi))
-        try:
-            ranged.read_into(self.store, ref.name, start, ref.size, view[start:], part_size=FETCH_PART_SIZE,
-                             concurrency=FETCH_CONCURRENCY, transport="boto3", counter=counter, on_part=on_part)
-        finally:
-            with self._fetched_mu:
-                self.bytes_fetched += counter.bytes
-        return counter.bytes
+        if self._ranged:
+            return ranged.RangedReader(self.store, ref.name, part_size=FETCH_PART_SIZE, concurrency=FETCH_CONCURRENCY,
+                                       transport="boto3", counter=self.downloads)
+        return ranged.StreamReader(self.store, ref.name, ref.size, counter=self.downloads)
 
     def plan(self, shards: Sequence[int]) -> None:
         """Tell the cache the future order, and start fetching the first shards."""
@@ -425,7 +409,8 @@ class ShardSource:
 
     def stats(self) -> dict[str, float]:
         """Counters of this source: bytes fetched from storage, cache counters, waits."""
-        out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched), "direct_reads": float(self.direct_reads),
+        out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched + self.downloads.bytes),
+                                 "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),
                                  "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
                                  "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0}

@@ -1,47 +1,91 @@
-"""Parallel ranged reads straight into a preallocated buffer (the large-sample fetch path).
+"""Ranged reads of one object into buffers the caller owns: the one read-into protocol.
 
-:func:`read_into` splits ``[start, end)`` of one object into parts of ``part_size`` bytes and
-fetches them with up to ``concurrency`` threads, each writing into its own slice of ``out``:
-no part is ever concatenated, so a 300 MB sample costs one 300 MB allocation (the caller's)
-plus one copy from the socket at most. A part that fails with a transient fault resumes with
-a new ranged GET from the byte it reached; a permanent fault raises one StorageError naming
-the object.
+A :class:`RangeReader` (in the spirit of fsspec's ``Fetcher = Callable[[int, int], bytes]``,
+but filling the caller's memory) is what the node cache downloads shards with and what the
+read side reads samples with. Two readers implement it:
 
-Transports, chosen per call by ``transport`` (``"auto"`` picks the first that applies):
+:class:`RangedReader`  ``parallel``: splits a range into parts of ``part_size`` bytes, fetched
+                       by up to ``concurrency`` threads, each writing into its own slice of
+                       ``out``; no part is ever concatenated, so a 300 MB sample costs one
+                       300 MB allocation (the caller's) plus one copy from the socket at most.
+:class:`StreamReader`  sequential: one request at a time, front to back; each call returns what
+                       one read gave and the next call continues the same request.
 
-``boto3``   S3 only: ``get_object(Range=...)`` and ``readinto`` on the HTTP response, so bytes
-            go from the socket into ``out`` with no intermediate ``bytes``. Measured here at
-            about 2x s3fs (benchmarks/RESULTS.md, "Large samples"). The client is built from
-            the same options as :class:`~shardkit.storage.store.Store` (see :func:`s3_client`).
-``fsspec``  any filesystem: ``fs.open`` + ``seek`` + ``readinto`` (local files read straight
-            into ``out``; s3fs copies each part once).
+Both resume a request that fails with a transient fault from the byte it reached, over boto3
+or fsspec (:mod:`shardkit.storage.resumable`, :func:`choose_transport`); a permanent fault
+raises one StorageError naming the object, and a body that ends early because the object
+itself is shorter raises IntegrityError.
 
-Every byte that lands in a buffer is counted in :data:`TOTAL` (per process) and in the
-optional ``counter``, so callers and tests can check what a partial read really moved.
+Every byte a :class:`RangedReader` lands is counted in :data:`TOTAL` (per process), and every
+reader counts into an optional :class:`ByteCounter`, so callers and tests can check what a
+read really moved.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Literal
+from typing import Callable, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from shardkit.errors import ConfigError, ShardkitError
-from shardkit.storage.store import (ShortRead, Store, attempts_for, boto_settings, is_short, is_transient, pause_before_retry, s3_client,
-                      translate)
+from shardkit.errors import ConfigError, IntegrityError
+from shardkit.storage.options import boto_settings
+from shardkit.storage.resumable import Count, Cursor, Opener, opener
+from shardkit.storage.s3client import have_boto3, s3_client
+from shardkit.storage.store import Store
 
-__all__ = ["ByteCounter", "TOTAL", "read_into", "read_range", "s3_client", "choose_transport", "DEFAULT_PART_SIZE"]
-
-log = logging.getLogger(__name__)
+__all__ = ["RangeReader", "PartCallback", "RangedReader", "StreamReader", "ByteCounter", "TOTAL", "Transport",
+           "choose_transport", "read_fully", "read_into", "read_range", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY"]
 
 DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_CONCURRENCY = 8
-_READ_CHUNK = 4 * 2**20  # one readinto call; small enough to count progress for resume
+_READ_CHUNK = 4 * 2**20  # one readinto call of a part: small enough to count progress for resume
 
 Transport = Literal["auto", "boto3", "fsspec"]
+
+PartCallback = Callable[[int, int], None]
+"""``on_part(lo, hi)``: object bytes ``[lo, hi)`` are all in the caller's buffer now."""
+
+
+@runtime_checkable
+class RangeReader(Protocol):
+    """Reads byte ranges of one object into buffers the caller owns.
+
+    ``read_into(start, out)`` puts bytes of the object from offset ``start`` at the front of
+    ``out`` and returns how many, like ``io.RawIOBase.readinto``. A reader whose
+    :attr:`parallel` is True fills all of ``out`` (parts land out of order, from several
+    threads); a sequential reader may return fewer bytes, what one read of its open request
+    gave, and a call from ``start + n`` continues that request. ``0`` means the object ends
+    at ``start``.
+    """
+
+    @property
+    def parallel(self) -> bool:
+        """Whether parts of ``out`` land out of order (parallel requests): a failed read then
+        leaves nothing worth keeping in ``out``, and a caller gives it the whole range at once.
+        False: bytes land front to back, so what landed before a fault is a valid prefix."""
+        ...
+
+    def read_into(self, start: int, out: memoryview, on_part: PartCallback | None = None) -> int:
+        """Read object bytes from ``start`` into ``out``.
+
+        Args:
+            start: object offset of ``out[0]``.
+            out: a writable, 1-D byte view.
+            on_part: told ``(lo, hi)`` (object offsets) of each part once all of it is in
+                ``out``, from the thread that read it. A reader may not report parts: the
+                caller then takes the bytes it returned as landed when it returns.
+
+        Returns:
+            Bytes put at the front of ``out``: all of them for a parallel reader.
+
+        Raises:
+            StorageError: a permanent fault, or transient faults that outlasted the retries.
+            IntegrityError: the object is shorter than the range asked for.
+        """
+        ...
+
 
 class ByteCounter:
     """Thread-safe counts of bytes landed in buffers and of GET requests made."""
@@ -52,25 +96,44 @@ class ByteCounter:
         self.requests = 0
 
     def add(self, nbytes: int = 0, requests: int = 0) -> None:
+        """Count ``nbytes`` more bytes and ``requests`` more requests.
+
+        Args:
+            nbytes: bytes landed.
+            requests: requests made.
+        """
         with self._mu:
             self.bytes += nbytes
             self.requests += requests
 
     def snapshot(self) -> dict[str, int]:
+        """``{"bytes": ..., "requests": ...}`` now."""
         with self._mu:
             return {"bytes": self.bytes, "requests": self.requests}
 
     def reset(self) -> None:
+        """Set both counts back to 0."""
         with self._mu:
             self.bytes = self.requests = 0
 
 
 TOTAL = ByteCounter()
-"""Every byte :func:`read_into` moved in this process (reset it in tests if you like)."""
+"""Every byte a :class:`RangedReader` moved in this process (reset it in tests if you like)."""
 
 
 def choose_transport(store: Store, transport: Transport = "auto") -> str:
-    """``"boto3"`` for S3 URLs whose options boto3 can mirror, else ``"fsspec"``."""
+    """The transport ranged reads of ``store`` use.
+
+    Args:
+        store: the dataset root.
+        transport: ``"auto"``, ``"boto3"`` (S3 only) or ``"fsspec"``.
+
+    Returns:
+        ``"boto3"`` for S3 URLs whose options boto3 can mirror (with ``"auto"``), else ``"fsspec"``.
+
+    Raises:
+        ConfigError: an unknown transport, or ``"boto3"`` for a URL that is not S3.
+    """
     if transport not in ("auto", "boto3", "fsspec"):
         raise ConfigError(f"transport: expected 'auto', 'boto3' or 'fsspec', got {transport!r}")
     is_s3 = store.url.startswith(("s3://", "s3a://"))
@@ -78,133 +141,167 @@ def choose_transport(store: Store, transport: Transport = "auto") -> str:
         if not is_s3:
             raise ConfigError(f"transport='boto3' needs an s3:// URL, got {store.url}")
         return "boto3"
-    if transport == "fsspec" or not is_s3:
-        return "fsspec"
-    try:
-        import boto3  # noqa: F401
-    except ImportError:  # pragma: no cover - boto3 is a dependency
+    if transport == "fsspec" or not is_s3 or not have_boto3():
         return "fsspec"
     return "boto3" if boto_settings(store.storage_options) is not None else "fsspec"
 
 
-# --------------------------------------------------------------------------- one part
+# --------------------------------------------------------------------------- the readers
 
 
-class _Part:
-    """Bytes ``[pos, end)`` of the object, landing in ``view[pos - base:end - base]``."""
+class StreamReader:
+    """A sequential :class:`RangeReader` of bytes ``[0, end)`` of one object: one request at a
+    time, front to back; each :meth:`read_into` returns what one read gave.
 
-    def __init__(self, view: memoryview, base: int, start: int, end: int, counter: ByteCounter | None) -> None:
-        self.view, self.base = view, base
-        self.pos, self.end = start, end
-        self.counter = counter
+    Args:
+        store: the dataset root.
+        path: the object, relative to the root.
+        end: the object's size (as the manifest says: a shorter object is an IntegrityError).
+        counter: also count landed bytes and requests here.
+    """
 
-    def dest(self, nbytes: int) -> memoryview:
-        """Where the next ``nbytes`` (at most) go."""
-        lo = self.pos - self.base
-        return self.view[lo: lo + min(nbytes, self.end - self.pos)]
+    parallel = False
 
-    def landed(self, n: int) -> None:
-        self.pos += n
-        TOTAL.add(n)
-        if self.counter is not None:
-            self.counter.add(n)
+    def __init__(self, store: Store, path: str, end: int, *, counter: ByteCounter | None = None) -> None:
+        self.store, self.path, self.end = store, path, end
+        self._count: Count | None = counter.add if counter is not None else None
+        self._cursor: Cursor | None = None
 
-    def requested(self) -> None:
-        TOTAL.add(requests=1)
-        if self.counter is not None:
-            self.counter.add(requests=1)
+    def read_into(self, start: int, out: memoryview, on_part: PartCallback | None = None) -> int:
+        """Bytes from ``start`` into the front of ``out`` (see :class:`RangeReader`).
+
+        Args:
+            start: object offset of ``out[0]``.
+            out: a writable, 1-D byte view.
+            on_part: told ``(start, start + n)`` once they landed.
+
+        Returns:
+            Bytes read, at least one unless ``start`` is at ``end``.
+
+        Raises:
+            StorageError: a permanent fault, or transient faults that outlasted the retries.
+            IntegrityError: the object ends before ``end``.
+        """
+        want = min(len(out), self.end - start)
+        if want <= 0:
+            return 0
+        if self._cursor is None:  # on first use, so a reader made ahead costs no client or filesystem
+            self._cursor = Cursor(opener(self.store, self.path, self.store.boto3_client()), self.store,
+                                  self.path, self.end, self._count)
+        n = self._cursor.read(start, out[:want])
+        if on_part is not None:
+            on_part(start, start + n)
+        return n
 
 
-Reader = Callable[[_Part], None]
+class RangedReader:
+    """A parallel :class:`RangeReader`: ranged requests of ``part_size`` bytes, ``concurrency``
+    at a time, each written straight into its own slice of ``out``.
 
+    Args:
+        store: the dataset root.
+        path: the object, relative to the root.
+        part_size: bytes per ranged GET; a range up to this size is one GET in the calling thread.
+        concurrency: threads for the parts of a larger range.
+        transport: ``"auto"``, ``"boto3"`` (S3 only) or ``"fsspec"``.
+        counter: also count landed bytes and requests here.
 
-def _run_part(part: _Part, read: Reader, what: str, store: Store) -> None:
-    """Fetch one part; after a transient fault resume from the byte it reached (unless the
-    object itself ends before the part does: IntegrityError)."""
-    failures = 0
-    while part.pos < part.end:
-        pos0 = part.pos
-        try:
-            part.requested()
-            read(part)
-        except Exception as exc:  # noqa: BLE001 - classified below
-            if isinstance(exc, ShardkitError):
+    Raises:
+        ConfigError: a bad transport, or a part size or concurrency that is not positive.
+    """
+
+    parallel = True
+
+    def __init__(self, store: Store, path: str, *, part_size: int = DEFAULT_PART_SIZE,
+                 concurrency: int = DEFAULT_CONCURRENCY, transport: Transport = "auto",
+                 counter: ByteCounter | None = None) -> None:
+        if part_size <= 0 or concurrency <= 0:
+            raise ConfigError(f"read_into: part_size and concurrency must be positive, got {part_size}, {concurrency}")
+        self.store, self.path = store, path
+        self.part_size, self.concurrency = part_size, concurrency
+        self.transport = choose_transport(store, transport)
+        self._counter = counter
+        self._open: Opener | None = None
+
+    def read_into(self, start: int, out: memoryview, on_part: PartCallback | None = None) -> int:
+        """Fill all of ``out`` with object bytes ``[start, start + len(out))``.
+
+        Args:
+            start: object offset of ``out[0]``.
+            out: a writable, 1-D byte view.
+            on_part: told ``(lo, hi)`` (object offsets) of each part once all of it landed, in
+                the thread that read it; parts start at ``start`` plus multiples of ``part_size``.
+
+        Returns:
+            ``len(out)``.
+
+        Raises:
+            StorageError: a permanent fault, or transient faults that outlasted the retries.
+            IntegrityError: the object ends before the range does.
+        """
+        end = start + len(out)
+        if end == start:
+            return 0
+        if self._open is None:  # on first use, so a reader made ahead costs no client or filesystem
+            client = s3_client(self.store.storage_options, max_pool=self.concurrency) if self.transport == "boto3" else None
+            self._open = opener(self.store, self.path, client)
+        open_body = self._open
+        bounds = list(range(start, end, self.part_size)) + [end]
+        parts = list(zip(bounds[:-1], bounds[1:]))
+        if len(parts) == 1 or self.concurrency == 1:
+            for lo, hi in parts:
+                self._read_part(open_body, out, start, lo, hi, on_part)
+            return len(out)
+        # A pool per call: threads are cheap next to 16 MB parts, and none outlive the read.
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(parts)), thread_name_prefix="shardkit-ranged") as pool:
+            futures = [pool.submit(self._read_part, open_body, out, start, lo, hi, on_part) for lo, hi in parts]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
                 raise
-            if is_short(exc):
-                store.check_extent(what, part.end)
-            failures = 1 if part.pos > pos0 else failures + 1  # progress renews the fault budget
-            budget = attempts_for(exc)
-            if failures < budget and is_transient(exc):
-                pause_before_retry(exc, what, store.where, failures, budget)
-                continue
-            raise translate(exc, what, store.where) from exc
+        return len(out)
+
+    def _count(self, nbytes: int, requests: int) -> None:
+        TOTAL.add(nbytes, requests)
+        if self._counter is not None:
+            self._counter.add(nbytes, requests)
+
+    def _read_part(self, open_body: Opener, out: memoryview, base: int, lo: int, hi: int,
+                   on_part: PartCallback | None) -> None:
+        """Object bytes ``[lo, hi)`` into ``out[lo - base:hi - base]``, resumed after faults."""
+        cursor = Cursor(open_body, self.store, self.path, hi, self._count)
+        pos = lo
+        while pos < hi:
+            pos += cursor.read(pos, out[pos - base:pos - base + min(_READ_CHUNK, hi - pos)])
+        if on_part is not None:
+            on_part(lo, hi)
 
 
-def _reporting(on_part: Callable[[int, int], None], base: int) -> Callable[[_Part, Reader, str, Store], None]:
-    def run(part: _Part, read: Reader, what: str, store: Store) -> None:
-        lo = part.pos - base
-        _run_part(part, read, what, store)
-        on_part(lo, part.end - base)
-    return run
+# --------------------------------------------------------------------------- helpers
 
 
-def _fill(part: _Part, readinto: Callable[[memoryview], int | None], what: str) -> None:
-    """Call ``readinto`` until the part is complete; an empty read is a truncated body."""
-    while part.pos < part.end:
-        n = readinto(part.dest(_READ_CHUNK))
-        if not n:
-            raise ShortRead(f"truncated body of {what} at byte {part.pos}")
-        part.landed(n)
+def read_fully(reader: RangeReader, start: int, out: memoryview, what: str) -> None:
+    """Call ``reader.read_into`` until all of ``out`` holds object bytes from ``start``.
 
+    Args:
+        reader: the object's reader.
+        start: object offset of ``out[0]``.
+        out: a writable, 1-D byte view.
+        what: the object, for the error.
 
-def _boto_reader(client: Any, bucket: str, key: str, extra: dict[str, Any]) -> Reader:
-    def read(part: _Part) -> None:
-        resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={part.pos}-{part.end - 1}", **extra)
-        body = resp["Body"]
-        raw = getattr(body, "_raw_stream", None)
-        fp = getattr(raw, "_fp", None)
-        done = False
-        try:
-            length = int(resp.get("ContentLength", part.end - part.pos))
-            if length != part.end - part.pos:
-                raise ShortRead(f"ranged GET of {key} returned {length} bytes, asked {part.end - part.pos}")
-            if fp is not None and hasattr(fp, "readinto") and hasattr(raw, "release_conn"):
-                # http.client's readinto moves bytes socket -> out with no temporary bytes;
-                # botocore's StreamingBody.read would allocate and copy every chunk.
-                _fill(part, fp.readinto, key)
-            else:  # pragma: no cover - a botocore without urllib3 underneath: one copy per chunk
-                def copy(dest: memoryview) -> int:
-                    data = body.read(len(dest))
-                    dest[:len(data)] = data
-                    return len(data)
-                _fill(part, copy, key)
-            done = True
-        finally:
-            if done and raw is not None and hasattr(raw, "release_conn"):
-                raw.release_conn()  # body fully read: the connection goes back to the pool
-            else:
-                body.close()
-    return read
-
-
-def _fsspec_reader(store: Store, rel: str) -> Reader:
-    fs = store.fs
-    path = store.path(rel)
-
-    def read(part: _Part) -> None:
-        with fs.open(path, "rb", block_size=0, cache_type="none") as src:
-            src.seek(part.pos)
-            readinto = getattr(src, "readinto", None)
-            if readinto is None:  # pragma: no cover - file objects without readinto
-                def readinto(dest: memoryview) -> int:
-                    data = src.read(len(dest))
-                    dest[:len(data)] = data
-                    return len(data)
-            _fill(part, readinto, rel)
-    return read
-
-
-# --------------------------------------------------------------------------- public
+    Raises:
+        IntegrityError: the object ended before ``out`` was full.
+        Whatever ``reader.read_into`` raises.
+    """
+    done = 0
+    while done < len(out):
+        n = reader.read_into(start + done, out[done:])
+        if n <= 0:
+            raise IntegrityError(f"{what} ended at byte {start + done}, before byte {start + len(out)}")
+        done += n
 
 
 def _as_bytes_view(out: memoryview | np.ndarray | bytearray) -> memoryview:
@@ -222,25 +319,26 @@ def _as_bytes_view(out: memoryview | np.ndarray | bytearray) -> memoryview:
 
 def read_into(store: Store, path: str, start: int, end: int, out: memoryview | np.ndarray | bytearray,
               part_size: int = DEFAULT_PART_SIZE, concurrency: int = DEFAULT_CONCURRENCY, *,
-              transport: Transport = "auto", counter: ByteCounter | None = None,
-              on_part: Callable[[int, int], None] | None = None) -> None:
-    """Read bytes ``[start, end)`` of ``store``'s object ``path`` into ``out`` (exactly that many bytes).
+              transport: Transport = "auto", counter: ByteCounter | None = None) -> None:
+    """Read bytes ``[start, end)`` of ``store``'s object ``path`` into ``out`` (exactly that many
+    bytes) with a :class:`RangedReader`.
 
     Args:
         store: the dataset root; ``path`` is relative to it (``shards/shard-000001.tar``).
-        start, end: byte range of the object.
+        path: the object.
+        start: first byte of the range.
+        end: the byte after the range.
         out: a writable buffer of exactly ``end - start`` bytes (a ``bytearray``, a
             memoryview, or a C-contiguous numpy array of any dtype).
         part_size: bytes per ranged GET; ranges up to this size use one GET in the calling thread.
         concurrency: threads for the parts of a larger range.
         transport: ``"auto"``, ``"boto3"`` (S3 only) or ``"fsspec"``.
         counter: also count landed bytes and requests here.
-        on_part: called as ``on_part(lo, hi)`` (offsets into ``out``) in the thread that read
-            each part, once all of it has landed; parts start at multiples of ``part_size``.
 
     Raises:
         ConfigError: bad arguments or ``out`` of the wrong size.
         StorageError: a permanent fault, or transient faults that outlasted the retries (names the object).
+        IntegrityError: the object ends before ``end``.
     """
     if start < 0 or end < start:
         raise ConfigError(f"read_into: bad range [{start}, {end}) of {path}")
@@ -251,36 +349,33 @@ def read_into(store: Store, path: str, start: int, end: int, out: memoryview | n
         raise ConfigError(f"read_into: out holds {len(view)} bytes, range [{start}, {end}) of {path} is {end - start}")
     if end == start:
         return
-    kind = choose_transport(store, transport)
-    if kind == "boto3":
-        bucket, key = store.bucket_key(path)
-        extra = (boto_settings(store.storage_options) or {}).get("get_extra") or {}
-        read = _boto_reader(s3_client(store.storage_options, max_pool=concurrency), bucket, key, extra)
-    else:
-        read = _fsspec_reader(store, path)
-    bounds = list(range(start, end, part_size)) + [end]
-    parts = [_Part(view, start, a, b, counter) for a, b in zip(bounds[:-1], bounds[1:])]
-    run = _run_part if on_part is None else _reporting(on_part, start)
-    if len(parts) == 1 or concurrency == 1:
-        for part in parts:
-            run(part, read, path, store)
-        return
-    # A pool per call: threads are cheap next to 16 MB parts, and none outlive the read.
-    with ThreadPoolExecutor(max_workers=min(concurrency, len(parts)), thread_name_prefix="shardkit-ranged") as pool:
-        futures = [pool.submit(run, part, read, path, store) for part in parts]
-        try:
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
+    RangedReader(store, path, part_size=part_size, concurrency=concurrency, transport=transport,
+                 counter=counter).read_into(start, view)
 
 
 def read_range(store: Store, path: str, start: int, end: int, part_size: int = DEFAULT_PART_SIZE,
                concurrency: int = DEFAULT_CONCURRENCY, *, transport: Transport = "auto",
                counter: ByteCounter | None = None) -> np.ndarray:
-    """Bytes ``[start, end)`` of ``path`` as a fresh ``uint8`` array (see :func:`read_into`)."""
+    """Bytes ``[start, end)`` of ``path`` as a fresh ``uint8`` array (see :func:`read_into`).
+
+    Args:
+        store: the dataset root.
+        path: the object, relative to the root.
+        start: first byte of the range.
+        end: the byte after the range.
+        part_size: bytes per ranged GET.
+        concurrency: threads for the parts of a larger range.
+        transport: ``"auto"``, ``"boto3"`` (S3 only) or ``"fsspec"``.
+        counter: also count landed bytes and requests here.
+
+    Returns:
+        A new array of ``end - start`` bytes.
+
+    Raises:
+        ConfigError: bad arguments.
+        StorageError: a permanent fault, or transient faults that outlasted the retries.
+        IntegrityError: the object ends before ``end``.
+    """
     out = np.empty(max(0, end - start), dtype=np.uint8)
     read_into(store, path, start, end, out, part_size, concurrency, transport=transport, counter=counter)
     return out

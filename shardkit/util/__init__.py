@@ -1,1 +1,3 @@
-"""Small helpers with no shardkit dependencies: libc calls and the one LRU map."""
+"""Small helpers with no shardkit dependencies: libc calls, process liveness and the one LRU map."""
+
+__all__: list[str] = []

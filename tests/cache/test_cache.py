@@ -1,7 +1,8 @@
 """The node-local shard cache, with real processes on a local directory (no network).
 
-The "remote" is a directory of random shard files; its fetch logs every call (shard, start
-byte, pid) to a file with O_APPEND, so calls from several processes can be counted.
+The "remote" is a directory of random shard files (cachefakes); its readers log every download
+attempt (shard, start byte, pid) to a file with O_APPEND, so attempts from several processes
+can be counted.
 """
 
 from __future__ import annotations
@@ -16,93 +17,21 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
-import xxhash
 
-from shardkit.cache import shard_cache as cache_mod
-from shardkit.cache.shard_cache import ShardCache, ShardRef
+from cachefakes import MB, NS, FnReader, Remote, Store, UsageSampler, make_store, wait_for
+from shardkit.cache import room as room_mod
+from shardkit.cache.shard_cache import ReaderFor, ShardCache, ShardRef
 from shardkit.errors import CacheFullError, NoRoomError
 from shardkit.cache.files import FileLock, file_name
 from shardkit.errors import ConfigError, IntegrityError, ShardkitError
 
 SPAWN = mp.get_context("spawn")
-NS = "ds0"
-MB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
-
-
-@dataclass(frozen=True)
-class Remote:
-    """Fake object store; picklable, so spawned processes get the same one."""
-
-    src: str
-    log: str
-    delay: float = 0.0  # seconds after each chunk, to widen races
-    fail_at: int | None = None  # raise ConnectionError once this byte is written
-    hang_at: int | None = None  # sleep here until killed
-    chunk: int = 256 << 10
-
-    def data(self, name: str) -> bytes:
-        return (Path(self.src) / name.replace("/", "_")).read_bytes()
-
-    def __call__(self, ref: ShardRef, out: BinaryIO, start: int) -> None:
-        with open(self.log, "a") as f:
-            f.write(f"{ref.name} {start} {os.getpid()}\n")
-        data, pos = self.data(ref.name), start
-        while pos < len(data):
-            stops = [x for x in (self.fail_at, self.hang_at) if x is not None and x > pos]
-            end = min([len(data), pos + self.chunk, *stops])
-            out.write(data[pos:end])
-            pos = end
-            if self.delay:
-                time.sleep(self.delay)
-            if pos == self.fail_at:
-                raise ConnectionError(f"injected reset at byte {pos}")
-            if pos == self.hang_at:
-                time.sleep(600)
-
-    def calls(self) -> list[tuple[str, int, int]]:
-        if not os.path.exists(self.log):
-            return []
-        rows = [line.split() for line in Path(self.log).read_text().splitlines()]
-        return [(n, int(s), int(p)) for n, s, p in rows]
-
-
-@dataclass
-class Store:
-    remote: Remote
-    refs: list[ShardRef]
-    cache_dir: str
-
-    def cache(self, limit: int, **kw: Any) -> ShardCache:
-        kw.setdefault("namespace", NS)
-        return ShardCache(self.cache_dir, limit, **kw)
-
-    def final(self, ref: ShardRef, ns: str = NS) -> Path:
-        return Path(self.cache_dir) / ns / ref.name.replace("/", "%2F")
-
-    def temps(self, ns: str = NS) -> list[Path]:
-        return sorted((Path(self.cache_dir) / ns / ".tmp").iterdir())
-
-    def cached(self, ns: str = NS) -> set[str]:
-        return {r.name for r in self.refs if self.final(r, ns).exists()}
-
-
-def make_store(tmp_path: Path, sizes: list[int], seed: int = 0) -> Store:
-    rng = random.Random(seed)
-    src = tmp_path / "remote"
-    src.mkdir()
-    refs = []
-    for i, size in enumerate(sizes):
-        name = f"shards/shard-{i:06d}.tar"
-        data = rng.randbytes(size)
-        (src / name.replace("/", "_")).write_bytes(data)
-        refs.append(ShardRef(name, size, xxhash.xxh3_128_hexdigest(data)))
-    return Store(Remote(str(src), str(tmp_path / "calls.log")), refs, str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,37 +49,9 @@ def no_leaked_threads() -> Iterator[None]:
     assert not leaked, f"leaked threads: {leaked}"
 
 
-def read_ok(cache: ShardCache, ref: ShardRef, fetch: Callable[[ShardRef, BinaryIO, int], None],
-            remote: Remote) -> bool:
+def read_ok(cache: ShardCache, ref: ShardRef, fetch: ReaderFor, remote: Remote) -> bool:
     with cache.open(ref, fetch) as shard:
         return bytes(shard.buffer()) == remote.data(ref.name) and os.path.getsize(shard.path) == ref.size
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
-class UsageSampler(threading.Thread):
-    """Polls usage() every ~2 ms; ``peak`` is the largest value seen."""
-
-    def __init__(self, cache: ShardCache) -> None:
-        super().__init__(name="usage-sampler", daemon=True)
-        self.cache, self.peak, self.samples, self.stop = cache, 0, 0, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.cache.usage())
-            self.samples += 1
-            time.sleep(0.002)
-
-    def finish(self) -> int:
-        self.stop.set()
-        self.join()
-        return self.peak
 
 
 # ---- child processes (module level so "spawn" can import them) ---------------------------
@@ -237,11 +138,16 @@ def test_shard_invisible_until_verified(tmp_path: Path) -> None:
     ref = s.refs[0]
     seen: list[tuple[bool, list[str], int]] = []
     with s.cache(10 * MB) as cache:
-        def fetch(r: ShardRef, out: BinaryIO, start: int) -> None:
+        def fetch(r: ShardRef) -> FnReader:
             data = s.remote.data(r.name)
-            out.write(data[: len(data) // 2])
-            seen.append((s.final(r).exists(), [p.name for p in s.temps()], cache.usage()))
-            out.write(data[len(data) // 2:])
+
+            def read_into(start: int, out: memoryview, on_part: Any = None) -> int:
+                if start:  # the first half is in the temp file now
+                    seen.append((s.final(r).exists(), [p.name for p in s.temps()], cache.usage()))
+                end = min(len(data) // 2 if start == 0 else len(data), start + len(out))
+                out[:end - start] = data[start:end]
+                return end - start
+            return FnReader(read_into, parallel=False)
 
         assert read_ok(cache, ref, fetch, s.remote)
     exists, temps, usage = seen[0]
@@ -476,8 +382,8 @@ def test_pinned_shards_are_never_evicted(tmp_path: Path, monkeypatch: pytest.Mon
             # the holder lets go of x while we wait: the open goes through
             threading.Timer(0.5, release.set).start()
             waiter = s.cache(limit, wait_timeout=20)
-            monkeypatch.setattr(cache_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
-            with caplog.at_level("WARNING", logger="shardkit.cache.shard_cache"):
+            monkeypatch.setattr(room_mod, "WAIT_NOTE_SECONDS", 0.1)  # a blocked reader says so
+            with caplog.at_level("WARNING", logger="shardkit.cache.room"):
                 assert read_ok(waiter, w, s.remote, s.remote)
             assert waiter.stats()["wait_seconds"] >= 0.3
             assert f"{w.name} waits" in caplog.text and "keep 2 shards open" in caplog.text

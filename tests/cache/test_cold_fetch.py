@@ -1,15 +1,13 @@
 """Positional (parallel ranged) cache downloads: a fetch that fills a writable map of the temp file.
 
-Local files stand in for the object store (as in test_cache.py); the last test runs a cold epoch
-through ShardSource's ranged-GET fetch against the real SeaweedFS fixture.
+Local files stand in for the object store (cachefakes, as in test_cache.py); the last test runs a
+cold epoch through ShardSource's ranged-GET reader against the real SeaweedFS fixture.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,86 +15,35 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from shardkit.cache.shard_cache import ShardRef, is_positional, positional
+from cachefakes import MB, NS, FnReader, UsageSampler, pos_store, wait_for
+from shardkit.cache.shard_cache import ShardRef
 from shardkit.errors import IntegrityError
-from test_cache import MB, NS, Store, UsageSampler, make_store, wait_for
+from shardkit.storage.ranged import RangedReader, RangeReader, StreamReader
+from shardkit.storage.store import Store
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@dataclass(frozen=True)
-class PosRemote:
-    """A positional fetch over the fake store: parts written by threads, last part first."""
-
-    src: str
-    log: str
-    part: int = 256 << 10
-    fail_after: int | None = None  # raise ConnectionError after this many parts landed
-    corrupt: bool = False  # flip one byte in the middle
-    writes_at_offsets = True
-
-    def data(self, name: str) -> bytes:
-        return (Path(self.src) / name.replace("/", "_")).read_bytes()
-
-    def __call__(self, ref: ShardRef, view: memoryview, start: int) -> int:
-        with open(self.log, "a") as f:
-            f.write(f"{ref.name} {start} {os.getpid()}\n")
-        assert len(view) == ref.size and not view.readonly
-        data = self.data(ref.name)
-        bounds = list(range(start, len(data), self.part))[::-1]  # out of order on purpose
-        done = [0]
-        mu = threading.Lock()
-
-        def one(lo: int) -> None:
-            with mu:
-                if self.fail_after is not None and done[0] >= self.fail_after:
-                    raise ConnectionError(f"injected reset before byte {lo}")
-                done[0] += 1
-            hi = min(len(data), lo + self.part)
-            view[lo:hi] = data[lo:hi]
-
-        with ThreadPoolExecutor(4) as pool:
-            for fut in [pool.submit(one, lo) for lo in bounds]:
-                fut.result()
-        if self.corrupt and ref.size:
-            view[ref.size // 2] ^= 0xFF
-        return ref.size - start
-
-    def calls(self) -> list[tuple[str, int]]:
-        if not os.path.exists(self.log):
-            return []
-        return [(n, int(s)) for n, s, _ in (ln.split() for ln in Path(self.log).read_text().splitlines())]
-
-
-def pos_store(tmp_path: Path, sizes: list[int]) -> tuple[Store, PosRemote]:
-    s = make_store(tmp_path, sizes)
-    return s, PosRemote(s.remote.src, str(tmp_path / "pos-calls.log"))
-
-
-def test_marking() -> None:
-    @positional
-    def f(ref: ShardRef, view: memoryview, start: int) -> None:
-        pass
-
-    class Src:
-        @positional
-        def fetch(self, ref: ShardRef, view: memoryview, start: int) -> None:
-            pass
-
-    assert is_positional(f) and is_positional(Src().fetch) and is_positional(PosRemote("", ""))
-    assert not is_positional(lambda r, o, s: None)
+def test_readers_declare_how_they_fill(tmp_path: Path) -> None:
+    s, pos = pos_store(tmp_path, [MB])
+    ref = s.refs[0]
+    store = Store(s.remote.src)
+    for reader, parallel in ((pos(ref), True), (s.remote(ref), False), (RangedReader(store, "x"), True),
+                             (StreamReader(store, "x", 10), False)):
+        assert isinstance(reader, RangeReader) and reader.parallel is parallel
 
 
 def test_positional_fetch_fills_map_verifies_and_publishes(tmp_path: Path) -> None:
     s, pos = pos_store(tmp_path, [3 * MB + 5, 1 * MB, 0])
     seen: list[tuple[list[int], int, bool]] = []
 
-    @positional
-    def spy(ref: ShardRef, view: memoryview, start: int) -> int:
-        # In flight: full size at once, under the name that carries the reservation.
-        seen.append(([p.stat().st_size for p in s.temps()], cache.usage(), s.final(ref).exists()))
-        assert [p.name for p in s.temps()] == [f"{s.final(ref).name}.{ref.size}.{os.getpid()}"]
-        return pos(ref, view, start)
+    def spy(ref: ShardRef) -> FnReader:
+        def read_into(start: int, view: memoryview, on_part: Any = None) -> int:
+            # In flight: full size at once, under the name that carries the reservation.
+            seen.append(([p.stat().st_size for p in s.temps()], cache.usage(), s.final(ref).exists()))
+            assert [p.name for p in s.temps()] == [f"{s.final(ref).name}.{ref.size}.{os.getpid()}"]
+            return pos.fill(ref, start, view, on_part)
+        return FnReader(read_into, parallel=True)
 
     with s.cache(100 * MB) as cache:
         for ref in s.refs * 2:
@@ -107,8 +54,9 @@ def test_positional_fetch_fills_map_verifies_and_publishes(tmp_path: Path) -> No
         assert (st["misses"], st["hits"]) == (3, 3)
         assert st["bytes_fetched"] == sum(r.size for r in s.refs)
         assert cache.usage() == sum(r.size for r in s.refs) and s.temps() == []
-    assert pos.calls() == [(r.name, 0) for r in s.refs]
-    assert seen == [([r.size], sum(q.size for q in s.refs[:i + 1]), False) for i, r in enumerate(s.refs)]
+    # The empty shard is published without a read: there is nothing to read.
+    assert pos.calls() == [(r.name, 0) for r in s.refs if r.size]
+    assert seen == [([r.size], sum(q.size for q in s.refs[:i + 1]), False) for i, r in enumerate(s.refs) if r.size]
 
 
 def test_failed_positional_fetch_keeps_reservation_and_restarts_from_zero(tmp_path: Path) -> None:
@@ -152,8 +100,9 @@ def test_dead_positional_download_is_not_trusted(tmp_path: Path, kind: str) -> N
         with cache.open(ref, fetch) as shard:
             assert bytes(shard.buffer()) == pos.data(ref.name)
         starts = [c[1] for c in (pos.calls() if kind == "positional" else s.remote.calls())]
-        # positional: straight from 0; sequential: "resumes" at the end, fails the hash, redoes from 0
-        assert starts == ([0] if kind == "positional" else [ref.size, 0])
+        # positional: straight from 0; sequential: "resumes" at the end (nothing to read), fails
+        # the hash, redoes from 0
+        assert starts == [0]
         assert s.temps() == []
 
 
@@ -172,10 +121,11 @@ def test_corrupt_once_then_good_is_published(tmp_path: Path) -> None:
     ref = s.refs[0]
     tries: list[int] = []
 
-    @positional
-    def flaky(r: ShardRef, view: memoryview, start: int) -> int:
-        tries.append(start)
-        return replace(pos, corrupt=len(tries) == 1)(r, view, start)
+    def flaky(r: ShardRef) -> FnReader:
+        def read_into(start: int, view: memoryview, on_part: Any = None) -> int:
+            tries.append(start)
+            return replace(pos, corrupt=len(tries) == 1).fill(r, start, view, on_part)
+        return FnReader(read_into, parallel=True)
 
     with s.cache(10 * MB) as cache:
         with cache.open(ref, flaky) as shard:
@@ -187,10 +137,12 @@ def test_wrong_size_manifest_entry_fails_verification(tmp_path: Path) -> None:
     s, pos = pos_store(tmp_path, [1 * MB])
     good = s.refs[0]
     for ref in (replace(good, size=good.size - 10), replace(good, size=good.size + 10)):
-        @positional
-        def fetch(r: ShardRef, view: memoryview, start: int) -> None:
-            data = pos.data(r.name)[: len(view)]
-            view[: len(data)] = data
+        def fetch(r: ShardRef) -> FnReader:
+            def read_into(start: int, view: memoryview, on_part: Any = None) -> int:
+                data = pos.data(r.name)[start:start + len(view)]
+                view[: len(data)] = data
+                return len(data)
+            return FnReader(read_into, parallel=True)
 
         with s.cache(10 * MB) as cache:
             with pytest.raises(IntegrityError, match="shard shards/shard-000000.tar"):
@@ -249,13 +201,13 @@ def test_cold_epoch_through_parallel_ranged_fetch_s3(s3_env: Any, s3_bucket: str
     monkeypatch.setattr(shardio, "FETCH_CONCURRENCY", 4)  # more parts at once than the default
 
     reads: list[tuple[str, int, int]] = []
-    real = ranged.read_into
+    real = ranged.RangedReader.read_into
 
-    def spy(store: Any, path: str, start: int, end: int, out: Any, *a: Any, **kw: Any) -> None:
-        reads.append((path, start, end))
-        real(store, path, start, end, out, *a, **kw)
+    def spy(self: ranged.RangedReader, start: int, out: memoryview, on_part: Any = None) -> int:
+        reads.append((self.path, start, start + len(out)))
+        return real(self, start, out, on_part)
 
-    monkeypatch.setattr(ranged, "read_into", spy)
+    monkeypatch.setattr(ranged.RangedReader, "read_into", spy)
     before = ranged.TOTAL.snapshot()
     sd = StreamingDataset(url, cache_dir=tmp_path / "c", batch_size=32)
     got = collect(sd)

@@ -1,7 +1,7 @@
 """Landing fills: cold downloads land in a reused buffer, go to the cache file with O_DIRECT,
 and this process copies its first reads of the shard from the buffer.
 
-Local files stand in for the object store (test_cache.py's fake); one test streams cold epochs
+Local files stand in for the object store (cachefakes); one test streams cold epochs
 from the real SeaweedFS fixture (test_ddp.py has two ranks doing it through one node cache).
 """
 
@@ -12,18 +12,17 @@ import fcntl
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
-from shardkit.cache.shard_cache import ShardRef, reports_parts
+from cachefakes import MB, PosRemote, Store, make_store, pos_store
 from shardkit.config import landing_budget
 from shardkit.errors import ConfigError, IntegrityError
 from shardkit.cache.landing import LANDING, DirectWriter, Landing, LandingPool
-from test_cache import MB, Store, make_store
-from test_cold_fetch import PosRemote, pos_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,16 +280,11 @@ def test_direct_writer_unaligned_offsets_still_land_whole(tmp_path: Path) -> Non
 # ---- the cache -----------------------------------------------------------------------------
 
 
-@reports_parts
+@dataclass(frozen=True)
 class PartRemote(PosRemote):
-    """PosRemote that reports each part (as ShardSource.fetch_ranged does)."""
+    """PosRemote whose readers report each part (as the ranged reader ShardSource.fetch gives does)."""
 
-    def __call__(self, ref: ShardRef, view: memoryview, start: int, landed: Any = None) -> int:  # type: ignore[override]
-        n = super().__call__(ref, view, start)
-        if landed is not None:
-            for lo in range(start, ref.size, self.part):
-                landed(lo, min(ref.size, lo + self.part))
-        return n
+    reports: bool = True
 
 
 def part_store(tmp_path: Path, sizes: list[int], **kw: Any) -> tuple[Store, PartRemote]:

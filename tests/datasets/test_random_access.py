@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit.storage import ranged
-from shardkit.storage import store as storage
+from shardkit.storage import ranged, resumable
+from shardkit.storage import retry as storage
 from shardkit.errors import IntegrityError
 from shardkit.errors import SampleNotFoundError
 from shardkit.storage.store import Store
@@ -308,17 +308,19 @@ def test_read_into_resumes_a_failed_part_from_the_byte_it_reached(tmp_path: Any,
     data = np.random.default_rng(5).integers(0, 255, 3_000_000, dtype=np.uint8).tobytes()
     (tmp_path / "obj").write_bytes(data)
     store = Store(str(tmp_path))
-    real = ranged._fill
+    real = resumable._FsspecBody.readinto
     failed: list[int] = []
 
-    def flaky(part: Any, readinto: Any, what: str) -> None:
-        if not failed and part.pos == 1_000_000:  # second part: land some bytes, then reset
-            part.landed(readinto(part.dest(123_456)))
-            failed.append(part.pos)
+    def flaky(body: Any, out: memoryview) -> int:
+        pos = body._src.tell()
+        if not failed and pos == 1_000_000:  # second part: land some bytes, then reset
+            return real(body, out[:123_456])
+        if not failed and pos == 1_123_456:
+            failed.append(pos)
             raise ConnectionResetError("connection reset by peer")
-        real(part, readinto, what)
+        return real(body, out)
 
-    monkeypatch.setattr(ranged, "_fill", flaky)
+    monkeypatch.setattr(resumable._FsspecBody, "readinto", flaky)
     monkeypatch.setattr(storage, "backoff_delay", lambda attempt: 0.0)  # pause_before_retry sleeps it
     out = bytearray(len(data) - 1000)
     counter = ranged.ByteCounter()

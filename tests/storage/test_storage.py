@@ -1,9 +1,8 @@
-"""shardkit.storage.store: retry classification, error translation, resumed fetches, fork safety."""
+"""shardkit.storage: retry classification, error translation, redaction, resumed fetches, fork safety."""
 
 from __future__ import annotations
 
 import errno
-import io
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -14,9 +13,10 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
-from shardkit.storage import store as storage
+from shardkit.storage import ranged, resumable, retry, urls
 from shardkit.errors import ConfigError, StorageError, StoragePermissionError
-from shardkit.storage.store import Store, is_transient, retrying, translate
+from shardkit.storage.retry import is_transient, retrying, translate
+from shardkit.storage.store import Store
 
 SECRET = "s3cr3t-" + "x" * 20
 
@@ -27,7 +27,7 @@ def client_error(code: str, message: str = "boom") -> ClientError:
 
 @pytest.fixture
 def no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(retry.time, "sleep", lambda _s: None)
 
 
 # --------------------------------------------------------------------------- classification
@@ -116,8 +116,8 @@ def test_credentials_in_a_url_are_refused_without_repeating_them(url: str, tmp_p
 def test_redact_url_leaves_urls_without_credentials_alone() -> None:
     for url in ("s3://bucket/user@example.com/ds", "http://host:8080/a@b", "/tmp/a@b", "file:///tmp/x@y",
                 "memory://ds", "s3://bucket/ds"):
-        assert storage.redact_url(url) == url
-    assert storage.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
+        assert urls.redact_url(url) == url
+    assert urls.redact_url("s3://K:S@b/ds") == "s3://***@b/ds"
 
 
 def test_endpoint_with_credentials_is_redacted_in_messages() -> None:
@@ -156,7 +156,7 @@ def test_retrying_gives_up_after_attempts_with_a_translated_error(no_sleep: None
 
 def test_a_stalled_store_is_given_up_sooner_and_said(no_sleep: None, caplog: pytest.LogCaptureFixture) -> None:
     # Each stall costs a whole read timeout: three in a row end it, each retry logged.
-    from shardkit.storage.store import TIMEOUT_ATTEMPTS
+    from shardkit.storage.retry import TIMEOUT_ATTEMPTS
 
     fn, calls = flaky([TimeoutError("timed out")] * 10)
     with caplog.at_level("WARNING", logger="shardkit"), pytest.raises(StorageError, match="did not answer for obj"):
@@ -183,10 +183,10 @@ def test_dead_endpoint_fails_fast(no_sleep: None) -> None:
     fn, calls = flaky([EndpointConnectionError(endpoint_url="http://127.0.0.1:1")] * 10)
     with pytest.raises(StorageError, match="cannot reach storage"):
         retrying(fn, "obj", "here")
-    assert len(calls) == storage.CONNECT_ATTEMPTS
+    assert len(calls) == retry.CONNECT_ATTEMPTS
 
 
-# --------------------------------------------------------------------------- fetch_into resume
+# --------------------------------------------------------------------------- stream reader resume
 
 
 @pytest.fixture
@@ -201,41 +201,64 @@ def mem_store() -> Iterator[tuple[Store, bytes]]:
         store.remove("", recursive=True)
 
 
-def test_fetch_into_resumes_after_a_truncated_body(mem_store: tuple[Store, bytes], no_sleep: None,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+class _Cut(resumable.Body):
+    """A response body that ends after ``keep`` bytes, as after a dropped connection."""
+
+    def __init__(self, body: resumable.Body, keep: int) -> None:
+        self.body, self.keep = body, keep
+
+    def readinto(self, out: memoryview) -> int:
+        n = self.body.readinto(out[:self.keep])
+        self.keep -= n
+        return n
+
+    def close(self, complete: bool) -> None:
+        self.body.close(complete)
+
+
+def test_stream_reader_resumes_after_a_truncated_body(mem_store: tuple[Store, bytes], no_sleep: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     store, payload = mem_store
-    real = Store._open_range
+    real = ranged.opener
     requests: list[tuple[int, int]] = []
 
-    def truncating(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
-        requests.append((pos, end))
-        if len(requests) == 1:  # the first body ends early, as after a dropped connection
-            yield b"".join(real(self, rel, pos, end))[:1234]
-            return
-        yield from real(self, rel, pos, end)
+    def truncating(store: Store, path: str, client: Any) -> resumable.Opener:
+        open_body = real(store, path, client)
 
-    monkeypatch.setattr(Store, "_open_range", truncating)
-    out = io.BytesIO()
-    seen: list[int] = []
-    store.fetch_into("shards/a.tar", out, 1000, 250_000, progress=seen.append)
-    assert out.getvalue() == payload[1000:250_000]
+        def open_cut(pos: int, end: int) -> resumable.Body:
+            requests.append((pos, end))
+            body = open_body(pos, end)
+            return _Cut(body, 1234) if len(requests) == 1 else body  # the first body ends early
+        return open_cut
+
+    monkeypatch.setattr(ranged, "opener", truncating)
+    out = bytearray(249_000)
+    counter = ranged.ByteCounter()
+    ranged.read_fully(ranged.StreamReader(store, "shards/a.tar", 250_000, counter=counter), 1000, memoryview(out),
+                      "shards/a.tar")
+    assert bytes(out) == payload[1000:250_000]
     assert requests == [(1000, 250_000), (2234, 250_000)]  # resumed from the byte it reached
-    assert sum(seen) == 249_000
+    assert counter.snapshot() == {"bytes": 249_000, "requests": 2}
 
 
-def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], no_sleep: None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stream_reader_gives_up_naming_the_object(mem_store: tuple[Store, bytes], no_sleep: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     store, _ = mem_store
+    real = ranged.opener
     calls: list[int] = []
 
-    def empty(self: Store, rel: str, pos: int, end: int) -> Iterator[bytes]:
-        calls.append(pos)
-        return iter(())
+    def empty(store: Store, path: str, client: Any) -> resumable.Opener:
+        open_body = real(store, path, client)
 
-    monkeypatch.setattr(Store, "_open_range", empty)
+        def open_empty(pos: int, end: int) -> resumable.Body:
+            calls.append(pos)
+            return _Cut(open_body(pos, end), 0)
+        return open_empty
+
+    monkeypatch.setattr(ranged, "opener", empty)
     with pytest.raises(StorageError, match="shards/a.tar"):
-        store.fetch_into("shards/a.tar", io.BytesIO(), 0, 100)
-    assert len(calls) == storage.RETRY_ATTEMPTS
+        ranged.StreamReader(store, "shards/a.tar", 100).read_into(0, memoryview(bytearray(100)))
+    assert len(calls) == retry.RETRY_ATTEMPTS
 
 
 # --------------------------------------------------------------------------- fork safety
@@ -244,8 +267,8 @@ def test_fetch_into_gives_up_naming_the_object(mem_store: tuple[Store, bytes], n
 def _read_in_child(store: Store, parent_fs_id: int, queue: Any) -> None:
     try:
         data = store.read_bytes("obj.bin")
-        ranged = store.read_range("obj.bin", 10, 20)
-        queue.put((data, ranged, id(store.fs) != parent_fs_id))
+        part = ranged.read_range(store, "obj.bin", 10, 20).tobytes()
+        queue.put((data, part, id(store.fs) != parent_fs_id))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put(f"{type(exc).__name__}: {exc}")
 
@@ -280,7 +303,7 @@ def test_store_used_in_parent_then_forked_child(s3_server: S3Server, s3_bucket: 
 
 
 def test_with_env_location_pins_endpoint_and_region_never_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit.storage.store import with_env_location
+    from shardkit.storage.options import with_env_location
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "eu-west-3")
@@ -340,3 +363,38 @@ def test_dataloader_workers_print_no_event_loop_tracebacks(s3_server: S3Server, 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150)
     assert r.returncode == 0 and r.stdout.split() == ["200"], r.stderr[-2000:]
     assert "different loop" not in r.stderr and "Task exception" not in r.stderr, r.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- storage_options keys
+
+
+@pytest.mark.parametrize(("key", "spelling"), [
+    ("aws_access_key_id", "'key'"), ("aws_secret_access_key", "'secret'"), ("aws_session_token", "'token'"),
+    ("region_name", "client_kwargs={'region_name': ...}"), ("endpoint", "'endpoint_url'"),
+])
+def test_boto3_spellings_in_s3_storage_options_are_refused_naming_the_s3fs_one(key: str, spelling: str) -> None:
+    # s3fs hands unknown keys to its botocore session: "TypeError: AioSession.__init__() got an
+    # unexpected keyword argument", inside a StorageError, at the first call.
+    for url in ("s3://bucket/ds", "s3a://bucket/ds"):
+        with pytest.raises(ConfigError) as info:
+            Store(url, {"key": "AKIDEXAMPLE", key: SECRET})
+        text = str(info.value)
+        assert repr(key) in text and spelling in text and url in text
+        assert SECRET not in text and "\n" not in text
+    with pytest.raises(ConfigError, match="aws_secret_access_key"):
+        shardkit.open_dataset("s3://bucket/ds", storage_options={"aws_secret_access_key": SECRET})
+
+
+def test_unknown_s3_storage_options_key_lists_what_s3fs_takes() -> None:
+    with pytest.raises(ConfigError, match=r"'no_such_option' is not an s3fs option.*s3fs takes .*endpoint_url") as info:
+        Store("s3://bucket/ds", {"no_such_option": 1})
+    assert "\n" not in str(info.value)
+
+
+def test_s3fs_options_and_other_protocols_pass_through(tmp_path: Any) -> None:
+    opts = {"key": "k", "secret": "s", "token": "t", "endpoint_url": "http://127.0.0.1:1", "profile": "p",
+            "client_kwargs": {"region_name": "eu-west-3"}, "config_kwargs": {}, "anon": False,
+            "use_listings_cache": False, "skip_instance_cache": True, "requester_pays": True}
+    assert Store("s3://bucket/ds", opts).storage_options == opts
+    assert Store(str(tmp_path), {"aws_access_key_id": "x", "anything": 1}).storage_options["anything"] == 1
+    assert Store("memory://ds", {"whatever": True}).storage_options == {"whatever": True}

@@ -22,7 +22,8 @@ from shardkit.packing.progress import Progress
 from shardkit.packing.sources.base import Source, SourceItem
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_task
-from shardkit.storage.store import Store, with_env_location
+from shardkit.storage.options import with_env_location
+from shardkit.storage.store import Store
 
 __all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address", "run_tasks_on_ray"]
 
@@ -100,7 +101,7 @@ def for_tasks(src: Source) -> Source:
     """``src`` as tasks on other nodes must see it.
 
     WebDataset tars on S3 are read from the endpoint and region this driver resolved
-    (:func:`~shardkit.storage.store.with_env_location`), whatever the nodes' environments say.
+    (:func:`~shardkit.storage.options.with_env_location`), whatever the nodes' environments say.
 
     Args:
         src: the pack's source.

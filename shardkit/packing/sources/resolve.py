@@ -19,7 +19,7 @@ from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.npy import NpySource
 from shardkit.packing.sources.wds import WdsTarSource
-from shardkit.storage.store import refuse_url_credentials
+from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["resolve_source"]
 

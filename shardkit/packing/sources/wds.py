@@ -27,7 +27,7 @@ from shardkit.format.tarscan import TarMember, group_members, scan_tar, split_na
 from shardkit.packing.sample import (FieldValue, PackSample, StreamedField, case_clash, case_clash_reason,
                                      check_field_name, safe_key)
 from shardkit.packing.sources.base import SourceItem
-from shardkit.storage.store import refuse_url_credentials
+from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["INLINE_LIMIT", "WdsTarSource"]
 

@@ -1,0 +1,70 @@
+"""Opening fsspec filesystems with shardkit's option rules, and opening them again in a forked child."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from shardkit.errors import StorageError
+from shardkit.storage.options import s3_options
+
+__all__ = ["open_fs", "reopen_fs", "S3FS_RETRIES"]
+
+# s3fs's own tries per call, under ours: its default 5 made every stalled call of a frozen store
+# wait 5 read timeouts before shardkit's retry loop (and its warning) saw it.
+S3FS_RETRIES = 2
+
+
+def open_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a URL to (filesystem, path) with shardkit's option rules.
+
+    Its one caller, :class:`~shardkit.storage.store.Store`, has refused credentials in the URL
+    already.
+
+    Args:
+        url: any fsspec URL.
+        storage_options: options for the filesystem (for ``s3://``, merged by
+            :func:`~shardkit.storage.options.s3_options`).
+
+    Returns:
+        The filesystem and the path of ``url`` on it.
+
+    Raises:
+        StorageError: fsspec cannot open the URL (unknown protocol, missing package).
+    """
+    opts = s3_options(storage_options) if url.startswith(("s3://", "s3a://")) else dict(storage_options or {})
+    try:
+        fs, path = url_to_fs(url, **opts)
+    except (ImportError, ValueError) as exc:
+        raise StorageError(f"cannot open {url}: {exc}") from exc
+    if hasattr(fs, "retries"):  # s3fs: its own retries of each call (a class attribute, 5)
+        fs.retries = S3FS_RETRIES
+    return fs, path
+
+
+_PARENTS_FILESYSTEMS: list[fsspec.AbstractFileSystem] = []  # a forked child's inherited ones (Store.fs)
+
+
+def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """A fresh instance of ``fs`` (same class and arguments) for a forked process.
+
+    fsspec clears its instance cache when the pid changes, so this never hands back the
+    parent's instance; a filesystem passed in by the caller keeps its own configuration.
+
+    Args:
+        fs: the filesystem the parent process opened.
+
+    Returns:
+        A new instance, or ``fs`` itself when it does not record its arguments.
+    """
+    args = getattr(fs, "storage_args", None)
+    kwargs = getattr(fs, "storage_options", None)
+    if args is None or kwargs is None:
+        return fs
+    # The parent's instance is kept, never collected here: collecting it would close its
+    # aiobotocore session on the parent's loop, which prints "Task exception was never
+    # retrieved ... attached to a different loop" tracebacks in every worker.
+    _PARENTS_FILESYSTEMS.append(fs)
+    return type(fs)(*args, **kwargs)
