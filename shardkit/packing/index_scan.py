@@ -22,9 +22,9 @@ from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.sample import case_clash_reason
 from shardkit.storage.store import Store, attempts_for, is_transient, pause_before_retry, translate
 
-__all__ = ["MAX_GAP", "READ_CHUNK", "index_tar"]
+__all__ = ["MAX_GAP", "index_tar"]
 
-READ_CHUNK = 8 * 2**20
+_READ_CHUNK = 8 * 2**20
 # Bytes between two members that may still belong to one sample (headers of directories,
 # pax records): more than this is not a WebDataset tar.
 MAX_GAP = 16 * 2**20
@@ -40,7 +40,7 @@ class _OnePass:
     :meth:`member` as they are found, which decides which sample the bytes belong to.
     """
 
-    def __init__(self, store: Store, rel: str, size: int, chunk: int = READ_CHUNK) -> None:
+    def __init__(self, store: Store, rel: str, size: int, chunk: int = _READ_CHUNK) -> None:
         self.store = store
         self.rel = rel
         self.size = size
