@@ -333,7 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after ``shardkit`` (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 success, 1 a failed check or operation, 2 bad usage, 130 interrupted.
+        The exit code: 0 success, 1 a failed check or operation, 2 bad usage (a bad option or
+        URL, a missing source), 130 interrupted, 141 when the reader of stdout went away.
+
+    Raises:
+        ShardkitError: with ``--debug`` only, the command's error (else it is printed as one
+            line on stderr and becomes the exit code).
+        SystemExit: argparse's, for unknown options and ``--help``.
     """
     parser = build_parser()
     own, bench_args = _split_bench(list(sys.argv[1:] if argv is None else argv))

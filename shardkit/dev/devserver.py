@@ -37,6 +37,8 @@ from typing import Any, ClassVar
 from shardkit.errors import ShardkitError
 from shardkit.util.libc import libc_function
 
+__all__ = ["REGION", "DevServer", "DevServerError", "S3Server", "free_port_pairs", "main", "weed_binary"]
+
 log = logging.getLogger(__name__)
 
 REGION = "us-east-1"
@@ -50,7 +52,15 @@ class DevServerError(ShardkitError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class S3Server:
-    """A running S3 endpoint. ``repr`` hides the secret."""
+    """A running S3 endpoint. ``repr`` hides the secret.
+
+    Attributes:
+        endpoint: the URL, ``http://127.0.0.1:<port>``.
+        key: the access key.
+        secret: the secret key.
+        port: the S3 port.
+        pid: weed's process id.
+    """
 
     endpoint: str
     key: str
@@ -59,7 +69,12 @@ class S3Server:
     pid: int = 0
 
     def storage_options(self) -> dict[str, Any]:
-        """Options for ``s3fs.S3FileSystem(**opts)`` / fsspec ``storage_options``."""
+        """Options that point s3fs at this server.
+
+        Returns:
+            Keyword arguments for ``s3fs.S3FileSystem(**opts)``, or fsspec's (and shardkit's)
+            ``storage_options``.
+        """
         return {
             "key": self.key,
             "secret": self.secret,
@@ -67,7 +82,12 @@ class S3Server:
         }
 
     def env(self) -> dict[str, str]:
-        """The standard AWS variables that point boto3/s3fs (and shardkit) at this server."""
+        """Environment variables that point boto3, s3fs and shardkit at this server.
+
+        Returns:
+            ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
+            ``AWS_REGION``, by name.
+        """
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
             "AWS_ACCESS_KEY_ID": self.key,
@@ -76,7 +96,11 @@ class S3Server:
         }
 
     def filesystem(self) -> Any:
-        """A fresh (uncached) s3fs filesystem for this server."""
+        """An s3fs filesystem on this server (needs s3fs installed).
+
+        Returns:
+            A fresh ``s3fs.S3FileSystem``, not shared through s3fs's instance cache.
+        """
         import s3fs
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
@@ -85,7 +109,7 @@ class S3Server:
 # --------------------------------------------------------------------------- ports
 
 
-def port_is_free(port: int) -> bool:
+def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -101,6 +125,16 @@ def free_port_pairs(count: int, avoid: set[int] | frozenset[int] = frozenset()) 
     is given (the admin worker does), so each component gets its gRPC port at exactly that
     offset. Ports are drawn below the kernel's ephemeral range (32768+) so outgoing
     connections cannot take them between the pick and weed's bind.
+
+    Args:
+        count: how many pairs.
+        avoid: ports not to pick.
+
+    Returns:
+        The pairs, each ``(port, port + 10000)``, no port repeated.
+
+    Raises:
+        DevServerError: not enough free ports were found.
     """
     rng = secrets.SystemRandom()
     picked: list[tuple[int, int]] = []
@@ -111,7 +145,7 @@ def free_port_pairs(count: int, avoid: set[int] | frozenset[int] = frozenset()) 
         p = rng.randrange(10_000, 22_700)
         if {p, p + 10_000} & used:
             continue
-        if port_is_free(p) and port_is_free(p + 10_000):
+        if _port_is_free(p) and _port_is_free(p + 10_000):
             picked.append((p, p + 10_000))
             used.update((p, p + 10_000))
     raise DevServerError("could not find free loopback ports for SeaweedFS")
@@ -121,7 +155,14 @@ def free_port_pairs(count: int, avoid: set[int] | frozenset[int] = frozenset()) 
 
 
 def weed_binary() -> str:
-    """The ``weed`` binary: next to the interpreter (a venv's bin/), else on PATH."""
+    """Find the SeaweedFS ``weed`` binary: next to the interpreter (a venv's bin/), else on PATH.
+
+    Returns:
+        Its path.
+
+    Raises:
+        DevServerError: it is in neither place.
+    """
     beside = Path(sys.executable).parent / "weed"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -214,10 +255,10 @@ class DevServer:
     def _pick_ports(self) -> list[tuple[int, int]]:
         if self.port is None:
             return free_port_pairs(5)
-        if not port_is_free(self.port):
+        if not _port_is_free(self.port):
             raise DevServerError(f"port {self.port} on 127.0.0.1 is in use: pick another with --port")
         grpc = self.port + 10_000
-        if grpc > 65_535 or not port_is_free(grpc):
+        if grpc > 65_535 or not _port_is_free(grpc):
             grpc = free_port_pairs(1, avoid={self.port})[0][0]
         return [(self.port, grpc), *free_port_pairs(4, avoid={self.port, grpc})]
 
@@ -272,8 +313,14 @@ class DevServer:
     def start(self) -> S3Server:
         """Start weed and wait until a signed request succeeds.
 
+        A start that fails because a picked port was taken meanwhile is retried on fresh ports.
+
+        Returns:
+            The running server.
+
         Raises:
-            DevServerError: no ``weed`` binary, or it did not come up (with weed's log tail).
+            DevServerError: already running, no ``weed`` binary, a given port in use, or weed
+                did not come up within ``timeout`` (with the tail of its log).
         """
         if self.proc is not None:
             raise DevServerError("this DevServer is already running")
@@ -338,7 +385,13 @@ class DevServer:
         return f"signed ListBuckets kept failing: {err}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop weed by its PID, remove the throwaway directory and weed's stray sockets."""
+        """Stop weed by its PID, remove the throwaway directory and weed's stray sockets.
+
+        Safe to call when it is not running; never removes ``data_dir``.
+
+        Args:
+            timeout: seconds to wait after SIGTERM before SIGKILL (and again after it).
+        """
         proc, self.proc, self.server = self.proc, None, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -364,6 +417,15 @@ class DevServer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a server in the foreground until Ctrl-C or SIGTERM, printing ``export`` lines for it.
+
+    Args:
+        argv: the command line (``--port``, ``--dir``); None reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 when stopped by Ctrl-C or SIGTERM, 1 when weed did not start or exited
+        by itself.
+    """
     p = argparse.ArgumentParser(prog="python -m shardkit.dev.devserver",
                                 description="Run a throwaway local S3 server (SeaweedFS) in the foreground.")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,

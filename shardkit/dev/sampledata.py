@@ -17,23 +17,25 @@ import numpy as np
 
 from shardkit.errors import ConfigError
 
-PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png",
-          "hubble_deep_field.jpg", "retina.jpg", "ihc.png", "brick.png", "gravel.png")
+__all__ = ["make_image_folder"]
+
+_PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "motorcycle_left.png",
+           "hubble_deep_field.jpg", "retina.jpg", "ihc.png", "brick.png", "gravel.png")
 
 
-def photo_dir() -> Path:
+def _photo_dir() -> Path:
     spec = importlib.util.find_spec("skimage")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError("sample data needs scikit-image's bundled photos: pip install scikit-image")
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
-def load_photos() -> dict[str, Any]:
+def _load_photos() -> dict[str, Any]:
     from PIL import Image
 
-    base = photo_dir()
+    base = _photo_dir()
     photos = {}
-    for name in PHOTOS:
+    for name in _PHOTOS:
         path = base / name
         if path.exists():
             photos[name.split(".")[0]] = Image.open(path).convert("RGB")
@@ -42,7 +44,7 @@ def load_photos() -> dict[str, Any]:
     return photos
 
 
-def jpeg_variant(img: Any, rng: np.random.Generator, side: int, quality: int) -> bytes:
+def _jpeg_variant(img: Any, rng: np.random.Generator, side: int, quality: int) -> bytes:
     """A random crop/scale/flip/jitter of ``img`` as a side x side JPEG."""
     from PIL import Image, ImageEnhance
 
@@ -62,18 +64,35 @@ def jpeg_variant(img: Any, rng: np.random.Generator, side: int, quality: int) ->
 
 def make_image_folder(dest: str | os.PathLike[str], count: int, *, side: int = 512, quality: int = 90,
                       seed: int = 0) -> Path:
-    """Write ``count`` JPEGs as ``dest/<photo>/<i>.jpg`` (skips work if already complete)."""
+    """Write ``count`` JPEGs as ``dest/<photo>/<i>.jpg``, an ImageFolder with one class per photo.
+
+    Deterministic for the arguments; a folder already completed with the same arguments is
+    left as it is.
+
+    Args:
+        dest: the folder to write.
+        count: how many images.
+        side: each image's width and height, in pixels.
+        quality: the JPEG quality.
+        seed: the seed of the random crops, flips and jitter.
+
+    Returns:
+        ``dest``, as a Path.
+
+    Raises:
+        ConfigError: scikit-image is not installed, or fewer than two of its photos are found.
+    """
     root = Path(dest)
     marker = root / f".complete-{count}-{side}-{quality}-{seed}"
     if marker.exists():
         return root
-    photos = load_photos()
+    photos = _load_photos()
     names = sorted(photos)
     rng = np.random.default_rng(seed)
     for i in range(count):
         cls = names[i % len(names)]
         d = root / cls
         d.mkdir(parents=True, exist_ok=True)
-        (d / f"{i:07d}.jpg").write_bytes(jpeg_variant(photos[cls], rng, side, quality))
+        (d / f"{i:07d}.jpg").write_bytes(_jpeg_variant(photos[cls], rng, side, quality))
     marker.write_text("ok\n")
     return root

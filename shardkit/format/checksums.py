@@ -95,11 +95,21 @@ class SampleHasher:
         self._fill = 0
 
     def intdigest(self) -> int:
-        """The sample's xxh3-64 so far."""
+        """The sample's checksum so far.
+
+        Returns:
+            The xxh3-64 of every byte given to :meth:`update` since the start (or the last
+            :meth:`reset`).
+        """
         return int(self.whole.intdigest())
 
     def blocks(self) -> list[int] | None:
-        """The block checksums, or None when the sample is at most one block long."""
+        """The block checksums of the bytes given so far.
+
+        Returns:
+            The xxh3-64 of each ``block_bytes`` block, the last one possibly shorter, or None
+            when the sample is at most one block long.
+        """
         if not self._done or (len(self._done) == 1 and self._fill == 0):
             return None
         if self._fill and self._block is not None:  # a part block at the end (past the first block)

@@ -120,7 +120,7 @@ def sample_fields(buf: memoryview | bytes, base: int, fields: list[FieldSpan]) -
 
 
 def iter_tar_members(data: bytes) -> Iterator[tuple[str, bytes]]:
-    """Each regular member of an in-memory tar (used by tests and checks).
+    """Each regular member of an in-memory tar.
 
     Args:
         data: a whole tar.

@@ -22,8 +22,7 @@ from typing import BinaryIO, Iterable, Iterator
 from shardkit.errors import UnsafeTarError
 from shardkit.format.streams import read_exact
 
-__all__ = ["MAX_EXTENDED_HEADER", "TarMember", "check_member_name", "group_members", "parse_pax", "scan_tar",
-           "split_name", "wds_split"]
+__all__ = ["MAX_EXTENDED_HEADER", "TarMember", "group_members", "scan_tar", "split_name", "wds_split"]
 
 BLOCK = 512
 # Extension headers (pax records, GNU long names) larger than this are not real-world names.
@@ -67,7 +66,7 @@ def _read_at(fileobj: BinaryIO, offset: int, n: int) -> bytes:
     return read_exact(fileobj, n)
 
 
-def check_member_name(name: str, *, tar: str) -> None:
+def _check_member_name(name: str, *, tar: str) -> None:
     """Refuse a member name that could escape a directory or confuse a reader.
 
     Args:
@@ -87,7 +86,7 @@ def check_member_name(name: str, *, tar: str) -> None:
         raise UnsafeTarError(f"{tar}: member {name!r} has a '..' component")
 
 
-def parse_pax(data: bytes, *, tar: str, offset: int) -> dict[str, str]:
+def _parse_pax(data: bytes, *, tar: str, offset: int) -> dict[str, str]:
     """Parse pax extended-header records (``"<len> <key>=<value>\\n"``).
 
     Args:
@@ -184,10 +183,10 @@ def scan_tar(
                 # Applies to the next member, which errors must name (not "././@LongLink").
                 long_link = True
             elif info.type == tarfile.XGLTYPE:
-                global_pax.update(parse_pax(data, tar=name, offset=pos))
+                global_pax.update(_parse_pax(data, tar=name, offset=pos))
                 member_start = None  # a global header belongs to no member
             else:
-                pax.update(parse_pax(data, tar=name, offset=pos))
+                pax.update(_parse_pax(data, tar=name, offset=pos))
             pos = data_off + _round_up(size)
             continue
 
@@ -202,7 +201,7 @@ def scan_tar(
         had_long_link = long_link
         pax, long_name, long_link, member_start = {}, None, False, None
 
-        check_member_name(member, tar=name)
+        _check_member_name(member, tar=name)
         if info.type in _REFUSED:
             raise UnsafeTarError(f"{name}: member {member!r} is a {_REFUSED[info.type]}; refused")
         if had_long_link:  # a link target on a member that claims not to be a link: refused as links are

@@ -37,7 +37,7 @@ from shardkit.packing.manifest_writer import put_dataset_json, put_fragment, put
 from shardkit.packing.progress import Progress
 from shardkit.storage.store import Store
 
-__all__ = ["FRAGMENT_ROWS", "index_tars", "list_tars"]
+__all__ = ["FRAGMENT_ROWS", "index_tars"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 FRAGMENT_ROWS = 250_000
 
 
-def list_tars(store: Store) -> list[str]:
+def _list_tars(store: Store) -> list[str]:
     """Every ``*.tar`` under the root, in subfolders too (as ``shardkit pack`` of a folder of
     tars reads them); not what an unfinished pack left in ``_pack/``.
 
@@ -90,7 +90,7 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         raise DatasetExistsError(f"{store.url} holds an unfinished pack ({CLAIM}); finish or remove it first")
     if not overwrite:
         _refuse_foreign_manifest(store)
-    tars = list_tars(store)
+    tars = _list_tars(store)
     if not tars:
         raise SourceError(f"no .tar files at {store.url} (looked at **/*.tar)")
     if overwrite:

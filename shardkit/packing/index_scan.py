@@ -28,9 +28,9 @@ from shardkit.storage.retry import (
 )
 from shardkit.storage.store import Store
 
-__all__ = ["MAX_GAP", "READ_CHUNK", "index_tar"]
+__all__ = ["MAX_GAP", "index_tar"]
 
-READ_CHUNK = 8 * 2**20
+_READ_CHUNK = 8 * 2**20
 # Bytes between two members that may still belong to one sample (headers of directories,
 # pax records): more than this is not a WebDataset tar.
 MAX_GAP = 16 * 2**20
@@ -46,7 +46,7 @@ class _OnePass:
     :meth:`member` as they are found, which decides which sample the bytes belong to.
     """
 
-    def __init__(self, store: Store, rel: str, size: int, chunk: int = READ_CHUNK) -> None:
+    def __init__(self, store: Store, rel: str, size: int, chunk: int = _READ_CHUNK) -> None:
         self.store = store
         self.rel = rel
         self.size = size

@@ -26,9 +26,9 @@ from shardkit.packing.task import PackOptions, TaskResult
 from shardkit.packing.writer import ShardWriter
 from shardkit.storage.store import Store
 
-__all__ = ["ITERABLE_FRAGMENT_BYTES", "ITERABLE_FRAGMENT_ROWS", "ITERABLE_PLAN", "pack_iterable"]
+__all__ = ["ITERABLE_FRAGMENT_BYTES", "ITERABLE_FRAGMENT_ROWS", "pack_iterable"]
 
-ITERABLE_PLAN = "iterable"  # an iterable cannot be planned: every run of one is the same "plan"
+_ITERABLE_PLAN = "iterable"  # an iterable cannot be planned: every run of one is the same "plan"
 ITERABLE_FRAGMENT_ROWS = 1_000_000
 ITERABLE_FRAGMENT_BYTES = 64 * 2**20
 
@@ -54,7 +54,7 @@ def pack_iterable(items: Iterable[dict[str, Any]], store: Store, opts: PackOptio
     """
     started = time.monotonic()
     refuse_committed(store, overwrite)
-    claim = Claim(store, ITERABLE_PLAN, {"source": {"type": "iterable"}, "shard_bytes": opts.shard_bytes,
+    claim = Claim(store, _ITERABLE_PLAN, {"source": {"type": "iterable"}, "shard_bytes": opts.shard_bytes,
                                          "shard_samples": opts.shard_samples, "transform": opts.transform_desc})
     claim.take(overwrite)
     replaced = False

@@ -16,10 +16,10 @@ import xxhash
 from shardkit.format.tar import END_OF_ARCHIVE
 from shardkit.packing.sources.base import SourceItem
 
-__all__ = ["TARGET_TASKS", "PackPlan", "ShardSpan", "TaskPlan", "make_plan", "plan_shards", "plan_tasks"]
+__all__ = ["PackPlan", "ShardSpan", "TaskPlan", "make_plan"]
 
-# The number of tasks a plan aims at, so a cluster has parallel work (see plan_tasks).
-TARGET_TASKS = 64
+# The number of tasks a plan aims at, so a cluster has parallel work (see _plan_tasks).
+_TARGET_TASKS = 64
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class PackPlan:
         return sum(len(t.shards) for t in self.tasks)
 
 
-def plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | None) -> list[ShardSpan]:
+def _plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | None) -> list[ShardSpan]:
     """Greedy, in order: a shard closes before an item that would overflow it.
 
     Items' ``nbytes`` count their tar framing; the shard's end-of-archive blocks are kept free
@@ -100,16 +100,16 @@ def plan_shards(items: list[SourceItem], shard_bytes: int, shard_samples: int | 
     return spans
 
 
-def plan_tasks(items: list[SourceItem], spans: list[ShardSpan], task_bytes: int, shard_bytes: int) -> list[TaskPlan]:
+def _plan_tasks(items: list[SourceItem], spans: list[ShardSpan], task_bytes: int, shard_bytes: int) -> list[TaskPlan]:
     """Group consecutive shards into tasks of about a target size.
 
-    The target aims at about TARGET_TASKS tasks so a cluster has parallel work, but never below
+    The target aims at about _TARGET_TASKS tasks so a cluster has parallel work, but never below
     one shard nor above ``task_bytes``. It depends only on the data and options, never on the
     number of workers, so the local and Ray engines produce the same files.
 
     Args:
         items: the source's items, in order.
-        spans: the shards (:func:`plan_shards`).
+        spans: the shards (:func:`_plan_shards`).
         task_bytes: the most bytes a task packs.
         shard_bytes: the target shard size.
 
@@ -117,7 +117,7 @@ def plan_tasks(items: list[SourceItem], spans: list[ShardSpan], task_bytes: int,
         The tasks, numbered from 0, each a run of consecutive shards.
     """
     total = sum(it.nbytes for it in items)
-    target = min(task_bytes, max(shard_bytes, total // TARGET_TASKS))
+    target = min(task_bytes, max(shard_bytes, total // _TARGET_TASKS))
     tasks: list[TaskPlan] = []
     current: list[ShardSpan] = []
     size = 0
@@ -147,8 +147,8 @@ def make_plan(items: list[SourceItem], *, shard_bytes: int, shard_samples: int |
     Returns:
         The plan.
     """
-    spans = plan_shards(items, shard_bytes, shard_samples)
-    tasks = plan_tasks(items, spans, task_bytes, shard_bytes)
+    spans = _plan_shards(items, shard_bytes, shard_samples)
+    tasks = _plan_tasks(items, spans, task_bytes, shard_bytes)
     h = xxhash.xxh3_128()
     h.update(json.dumps({"shard_bytes": shard_bytes, "shard_samples": shard_samples, "task_bytes": task_bytes,
                          **options}, sort_keys=True, default=str).encode())

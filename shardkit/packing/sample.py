@@ -51,7 +51,11 @@ class PackSample:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        """The bytes of the sample's member bodies."""
+        """The sample's size in the shard, without tar headers and padding.
+
+        Returns:
+            The total length of its member bodies (a :class:`StreamedField` counts its ``size``).
+        """
         return sum(v.size if isinstance(v, StreamedField) else len(v) for v in self.fields.values())
 
 

@@ -17,9 +17,9 @@ from shardkit.errors import ConfigError, SourceError
 from shardkit.format.fields import PACK_IMAGE_EXTS
 from shardkit.packing.sample import PackSample, StreamedField
 
-__all__ = ["IMAGE_FIELDS", "ImageTransform", "transform_from_options"]
+__all__ = ["ImageTransform", "transform_from_options"]
 
-IMAGE_FIELDS = PACK_IMAGE_EXTS  # the fields a transform re-encodes
+_IMAGE_FIELDS = PACK_IMAGE_EXTS  # the fields a transform re-encodes
 _FORMATS = {"jpeg": ("JPEG", "jpg"), "jpg": ("JPEG", "jpg"), "webp": ("WEBP", "webp"), "png": ("PNG", "png")}
 
 
@@ -53,7 +53,11 @@ class ImageTransform:
             raise ConfigError("--predecode and --reencode exclude each other")
 
     def describe(self) -> dict[str, Any]:
-        """The options set, as dataset.json records the transform."""
+        """Describe the transform for dataset.json.
+
+        Returns:
+            The options that are set (falsy ones left out), by name.
+        """
         return {k: v for k, v in asdict(self).items() if v}
 
     def __call__(self, sample: PackSample) -> PackSample:
@@ -69,7 +73,7 @@ class ImageTransform:
             SourceError: an image field is no readable image.
         """
         fields = dict(sample.fields)
-        for name in [n for n in fields if n.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS]:
+        for name in [n for n in fields if n.rsplit(".", 1)[-1].lower() in _IMAGE_FIELDS]:
             value = fields.pop(name)
             if isinstance(value, StreamedField):
                 value = b"".join(value.chunks())

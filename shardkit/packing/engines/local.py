@@ -16,7 +16,7 @@ from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_t
 from shardkit.packing.upload import Uploader
 from shardkit.storage.store import Store
 
-__all__ = ["LocalEngine", "stored_fragments"]
+__all__ = ["LocalEngine"]
 
 
 class LocalEngine:
@@ -49,7 +49,7 @@ class LocalEngine:
         """
         results = []
         # On an error, close() still finishes what earlier tasks queued, so a rerun reuses them.
-        stored = stored_fragments(store)
+        stored = _stored_fragments(store)
         uploader = Uploader()
         try:
             with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack", enabled=show) as bar:
@@ -70,7 +70,7 @@ class LocalEngine:
         return results
 
 
-def stored_fragments(store: Store) -> set[str]:
+def _stored_fragments(store: Store) -> set[str]:
     """The task fragments already stored, from one listing rather than a request per task.
 
     A fragment missing from it is only redone; one listed is still checked by

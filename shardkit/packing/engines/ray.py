@@ -25,7 +25,7 @@ from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_t
 from shardkit.storage.options import with_env_location
 from shardkit.storage.store import Store
 
-__all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address", "run_tasks_on_ray"]
+__all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address"]
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,8 @@ def _remote_task(store: Store, source: Source, task: TaskPlan, items: list[Sourc
     return done if done is not None else run_task(store, source, task, items, plan_id, opts)
 
 
-def run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
-                     address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
+def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+                      address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
     """Run the plan's tasks on Ray, at most a few per CPU at once.
 
     Args:
@@ -207,20 +207,21 @@ class RayEngine:
 
     def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
             check: Callable[[], None]) -> list[TaskResult]:
-        """Run the plan's tasks on Ray (see :func:`run_tasks_on_ray`).
+        """Run the plan's tasks on Ray, at most two per cluster CPU in flight.
 
         Args:
             store: the destination.
-            src: the source.
+            src: the source (pickled into every task: URLs, paths and options only).
             plan: the pack's plan.
             opts: the pack's options.
             show: show a progress bar on stderr.
-            check: called before each task is submitted.
+            check: called before each task is submitted; raises once another pack took the
+                destination over.
 
         Returns:
             Every task's result, in plan order.
 
         Raises:
-            ShardkitError: a task's own error, or Ray's.
+            ShardkitError: a task's own error (a bad input, a failed write), or Ray's.
         """
-        return run_tasks_on_ray(store, src, plan, opts, show, self.address, check)
+        return _run_tasks_on_ray(store, src, plan, opts, show, self.address, check)

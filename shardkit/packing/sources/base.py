@@ -64,7 +64,15 @@ class Source(Protocol):
     """
 
     def list_items(self) -> list[SourceItem]:
-        """All items in a deterministic order; raises SourceError if missing or empty."""
+        """List the items to pack, reading no sample data (runs on the driver).
+
+        Returns:
+            The items, in a deterministic order (the same input lists the same way).
+
+        Raises:
+            SourceNotFoundError: the input does not exist.
+            SourceError: it is empty or unusable, or two items share a key.
+        """
         ...
 
     def load(self, item: SourceItem) -> PackSample:
@@ -79,11 +87,19 @@ class Source(Protocol):
         ...
 
     def describe(self) -> dict[str, Any]:
-        """A JSON-able description for dataset.json's ``source`` (no secrets)."""
+        """Describe the source for dataset.json's ``source``.
+
+        Returns:
+            A JSON-able dict with a ``type`` and the paths or URLs read (no secrets).
+        """
         ...
 
     def labels(self) -> dict[str, int] | None:
-        """Class name -> index where the source has classes, else None."""
+        """The source's class map, recorded in dataset.json.
+
+        Returns:
+            Class name -> index where the source has named classes, else None.
+        """
         ...
 
 

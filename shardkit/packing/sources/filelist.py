@@ -1,6 +1,6 @@
 """A CSV or Parquet file list as a source: one sample per row's file, the other columns metadata.
 
-CSV columns are read as text and typed only where nothing is lost (:func:`csv_values`): an id
+CSV columns are read as text and typed only where nothing is lost (:func:`_csv_values`): an id
 ``"0001"`` stays text. A ``label`` column becomes the ``cls`` field: class indices as given,
 class names numbered in sorted order.
 """
@@ -22,7 +22,7 @@ from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, sa
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.files import check_image, check_root, ensure_unique, read_field
 
-__all__ = ["FileListSource", "csv_values", "label_class"]
+__all__ = ["FileListSource"]
 
 
 class FileListSource:
@@ -71,7 +71,7 @@ class FileListSource:
         if p.suffix.lower() not in (".parquet", ".pq"):
             for i, name in enumerate(table.column_names):
                 if name not in (self.path_column, "key"):
-                    table = table.set_column(i, name, csv_values(table.column(i)))
+                    table = table.set_column(i, name, _csv_values(table.column(i)))
         return table.to_pylist()
 
     def list_items(self) -> list[SourceItem]:
@@ -99,7 +99,7 @@ class FileListSource:
                 continue
             if "label" in row:
                 try:
-                    label_class(row["label"], f"file list {self.list_path}: row {i}")
+                    _label_class(row["label"], f"file list {self.list_path}: row {i}")
                 except SourceError as exc:
                     self.listing.bad(f"{self.list_path}: row {i}", str(exc))
                     continue
@@ -140,7 +140,7 @@ class FileListSource:
         fields: dict[str, FieldValue] = {ext: read_field(path)}
         check_image(path, ext, fields[ext])
         if "label" in row:
-            cls = label_class(row["label"], f"file list {self.list_path}: row {index}")
+            cls = _label_class(row["label"], f"file list {self.list_path}: row {index}")
             # A class name is numbered; the column keeps the name (and an integral float as written).
             fields["cls"] = str(self._classes()[cls] if isinstance(cls, str) else cls).encode()
         return PackSample(item.key, fields, meta)
@@ -171,15 +171,28 @@ class FileListSource:
         return {"list_path": self.list_path, "path_column": self.path_column}
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "filelist", "path": <the list>}``.
+        """
         return {"type": "filelist", "path": self.list_path}
 
     def labels(self) -> dict[str, int] | None:
-        """Class name -> index for a ``label`` column of names; None for numeric labels or none."""
+        """The class map of a ``label`` column of names (reads the list if not yet read).
+
+        Returns:
+            Class name -> index, the sorted distinct names numbered from 0; None for numeric
+            labels or no ``label`` column.
+
+        Raises:
+            SourceNotFoundError: the list does not exist.
+            SourceError: the list is unreadable, lacks the path column or holds a reserved column.
+        """
         return self._classes() or None
 
 
-def label_class(label: Any, where: str) -> int | str:
+def _label_class(label: Any, where: str) -> int | str:
     """The class a file list's ``label`` value names: an index, or a class name to number.
 
     Integral floats are indices: pandas writes integer labels with one missing value as
@@ -219,7 +232,7 @@ _CSV_FLOAT = re.compile(r"^-?[0-9]+\.[0-9]+$")
 _CSV_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
 
 
-def csv_values(column: Any) -> Any:
+def _csv_values(column: Any) -> Any:
     """A CSV column read as text, typed only where nothing is lost.
 
     Integers if every value reads back as written (``str(int(v)) == v``: ``"0012"`` keeps the

@@ -23,15 +23,15 @@ from shardkit.packing.sample import FieldValue, PackSample, StreamedField, safe_
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.walk import walk_in_order
 
-__all__ = ["IMAGE_SUFFIXES", "STREAM_THRESHOLD", "FolderSource", "ImageFolderSource", "check_image", "check_root",
-           "ensure_unique", "read_field"]
+__all__ = ["STREAM_THRESHOLD", "FolderSource", "ImageFolderSource", "check_image", "check_root", "ensure_unique",
+           "read_field"]
 
 log = logging.getLogger(__name__)
 
 # Files up to this size are read whole; larger ones stream into the tar in _CHUNK pieces.
 STREAM_THRESHOLD = 16 * 2**20
 _CHUNK = 8 * 2**20
-IMAGE_SUFFIXES = frozenset(f".{ext}" for ext in PACK_IMAGE_EXTS)  # what an ImageFolder packs
+_IMAGE_SUFFIXES = frozenset(f".{ext}" for ext in PACK_IMAGE_EXTS)  # what an ImageFolder packs
 
 
 def _sample_entry(name: str) -> str | None:
@@ -45,7 +45,7 @@ def _sample_entry(name: str) -> str | None:
 
 def _image_entry(name: str) -> str | None:
     """An ImageFolder's image file sorts by its name; other files are left out."""
-    return name if os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES else None
+    return name if os.path.splitext(name)[1].lower() in _IMAGE_SUFFIXES else None
 
 
 def read_field(path: str | os.PathLike[str]) -> FieldValue:
@@ -239,11 +239,19 @@ class FolderSource:
         return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "folder", "path": <the root>}``.
+        """
         return {"type": "folder", "path": self.root}
 
     def labels(self) -> dict[str, int] | None:
-        """None: a keyed folder has no classes."""
+        """A keyed folder has no classes.
+
+        Returns:
+            None.
+        """
         return None
 
 
@@ -309,7 +317,7 @@ class ImageFolderSource:
         """
         root = Path(self.root)
         loose = [e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith(".")
-                 and Path(e.name).suffix.lower() in IMAGE_SUFFIXES]
+                 and Path(e.name).suffix.lower() in _IMAGE_SUFFIXES]
         if loose:  # as torchvision's ImageFolder, but said out loud: they are not packed
             log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
                         "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
@@ -349,11 +357,23 @@ class ImageFolderSource:
                           {"label": label, "class_name": _text(cls), "source": _text(item.ref)})
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "imagefolder", "path": <the root>}``.
+        """
         return {"type": "imagefolder", "path": self.root}
 
     def labels(self) -> dict[str, int] | None:
-        """Class name -> index."""
+        """The class map: the class folders, numbered in sorted order (see :meth:`classes`).
+
+        Returns:
+            Class name -> index.
+
+        Raises:
+            SourceNotFoundError: the root does not exist.
+            SourceError: it is no folder, or holds no class folders.
+        """
         return {c: i for i, c in enumerate(self.classes())}
 
 

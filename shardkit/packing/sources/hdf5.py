@@ -234,9 +234,18 @@ class Hdf5Source:
         return PackSample(key=item.key, fields=fields, meta={"source": f"{path}::{row}"})
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "hdf5", "paths": ..., "mode": ..., "datasets": ...}`` (``datasets``
+            None when every dataset is packed).
+        """
         return {"type": "hdf5", "paths": list(self.paths), "mode": self.mode, "datasets": self.datasets or None}
 
     def labels(self) -> dict[str, int] | None:
-        """None: HDF5 sources have no classes."""
+        """An HDF5 source has no classes.
+
+        Returns:
+            None.
+        """
         return None

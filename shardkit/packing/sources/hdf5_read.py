@@ -19,8 +19,8 @@ from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
 from shardkit.packing.sources.optional import require
 
-__all__ = ["array_field", "array_layout", "dataset_chunks", "get_dataset", "iter_npy", "meta_attrs", "open_h5",
-           "read_into", "streaming_dataset"]
+__all__ = ["array_field", "array_layout", "dataset_chunks", "get_dataset", "meta_attrs", "open_h5", "read_into",
+           "streaming_dataset"]
 
 # Chunk cache per open file: big enough that a slab spanning a compressed HDF5 chunk does not
 # decompress that chunk again for the next slab (h5py's default is 1 MB).
@@ -114,12 +114,13 @@ def _slabs(shape: tuple[int, ...], itemsize: int, chunks: tuple[int, ...] | None
 
 
 def dataset_chunks(path: str, name: str, sel: tuple[Any, ...]) -> Iterator[bytes]:
-    """The .npy bytes of ``path[name][sel]``, opening the file for the read (see :func:`iter_npy`).
+    """The .npy bytes of ``path[name][sel]``, opening the file for the read.
 
     Args:
         path: the HDF5 file.
         name: the dataset's path in it.
-        sel: a leading selection, as :func:`iter_npy` takes it.
+        sel: a leading selection (``(slice(i, i + 1),)`` for row ``i``); empty for the whole
+            dataset.
 
     Yields:
         The header, then the data slab by slab.
@@ -129,7 +130,7 @@ def dataset_chunks(path: str, name: str, sel: tuple[Any, ...]) -> Iterator[bytes
     """
     ref = f"{path}::{name}"
     with open_h5(path) as f:
-        yield from iter_npy(streaming_dataset(f, name, ref), sel, ref)
+        yield from _iter_npy(streaming_dataset(f, name, ref), sel, ref)
 
 
 def streaming_dataset(f: Any, name: str, ref: str) -> Any:
@@ -163,7 +164,7 @@ def streaming_dataset(f: Any, name: str, ref: str) -> Any:
     return h5py.Dataset(h5py.h5d.open(f.id, path.encode(), dapl=dapl))
 
 
-def iter_npy(dset: Any, sel: tuple[Any, ...], ref: str) -> Iterator[bytes]:
+def _iter_npy(dset: Any, sel: tuple[Any, ...], ref: str) -> Iterator[bytes]:
     """Yield the .npy bytes of ``dset[sel]``: the header, then slab after slab.
 
     Slabs are read into one reused buffer of at most CHUNK_BYTES.
@@ -284,7 +285,8 @@ def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...]) -> FieldV
         dset: an h5py dataset of the open file ``path``.
         path: the HDF5 file (a streamed field reopens it).
         name: the dataset's path in it.
-        sel: a leading selection, as :func:`iter_npy` takes it.
+        sel: a leading selection (``(slice(i, i + 1),)`` for row ``i``); empty for the whole
+            dataset.
 
     Returns:
         The bytes, read now, if they fit CHUNK_BYTES; else a StreamedField that reopens the
@@ -298,7 +300,7 @@ def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...]) -> FieldV
     shape = full_shape[len(sel):]
     size = len(npy_header(dtype, shape)) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if size <= CHUNK_BYTES:
-        data = b"".join(iter_npy(dset, sel, ref))
+        data = b"".join(_iter_npy(dset, sel, ref))
         if len(data) != size:
             raise SourceError(f"{ref}: read {len(data)} bytes, expected {size}")
         return data

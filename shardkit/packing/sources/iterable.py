@@ -19,12 +19,12 @@ from shardkit.errors import SourceError
 from shardkit.packing.sample import (MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash,
                                      case_clash_reason, safe_key)
 
-__all__ = ["encode_value", "samples_from_iterable"]
+__all__ = ["samples_from_iterable"]
 
 log = logging.getLogger(__name__)
 
 
-def encode_value(key: str, field: str, value: Any) -> FieldValue:
+def _encode_value(key: str, field: str, value: Any) -> FieldValue:
     """A sample dict's value as a member body, encoded by its type (see the module docstring).
 
     Args:
@@ -114,4 +114,4 @@ def _sample(i: int, key: str, raw: Any, item: dict[str, Any]) -> PackSample:
     clash = case_clash(names)
     if clash is not None:
         raise SourceError(f"sample {key!r} (item {i}): {case_clash_reason(*clash)}")
-    return PackSample(key, {f.lower(): encode_value(key, f, item[f]) for f in names}, meta)
+    return PackSample(key, {f.lower(): _encode_value(key, f, item[f]) for f in names}, meta)

@@ -29,11 +29,9 @@ try:  # numpy >= 2 keeps the implementation private; np.save's exact header writ
 except ImportError:  # pragma: no cover - numpy 1.x
     from numpy.lib import format as _npformat  # type: ignore[no-redef]
 
-#: Largest piece a streamed field yields, and the size above which a member streams.
-
 PathLike = Union[str, os.PathLike]
 
-__all__ = ["NpySource"]
+__all__ = ["NpySource", "npy_header"]
 
 
 def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
@@ -42,6 +40,9 @@ def npy_header(dtype: np.dtype | str, shape: Sequence[int]) -> bytes:
     Args:
         dtype: the array dtype (byte order kept; dtype metadata is dropped as np.save does).
         shape: the array shape.
+
+    Returns:
+        The magic, version, header dict and padding, as ``np.save`` writes them.
 
     Raises:
         SourceError: for dtypes holding Python objects, which ``.npy`` can only pickle.
@@ -244,11 +245,19 @@ class NpySource:
         return Path(os.path.relpath(path, self._root())).as_posix()
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "npy", "paths": <the paths given>}``.
+        """
         return {"type": "npy", "paths": list(self.paths)}
 
     def labels(self) -> dict[str, int] | None:
-        """None: arrays have no classes."""
+        """Arrays have no classes.
+
+        Returns:
+            None.
+        """
         return None
 
 

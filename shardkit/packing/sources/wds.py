@@ -223,11 +223,19 @@ class WdsTarSource:
         return PackSample(key=item.key, fields=fields, meta={"orig_key": orig, "source": url})
 
     def describe(self) -> dict[str, Any]:
-        """The source for dataset.json (URLs only: never the storage options)."""
+        """Describe the source for dataset.json.
+
+        Returns:
+            ``{"type": "wds", "urls": <the expanded URLs>}``; never the storage options.
+        """
         return {"type": "wds", "urls": list(self.urls)}
 
     def labels(self) -> dict[str, int] | None:
-        """None: tars have no class map."""
+        """WebDataset tars carry no class map.
+
+        Returns:
+            None.
+        """
         return None
 
 
