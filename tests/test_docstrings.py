@@ -25,7 +25,9 @@ def _exports(tree: ast.Module) -> list[str] | None:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
-                return [ast.literal_eval(e) for e in node.value.elts]  # type: ignore[attr-defined]
+                # literal names only: `[*_LAZY, "errors"]` in shardkit/__init__.py lists lazy names
+                return [e.value for e in node.value.elts  # type: ignore[attr-defined]
+                        if isinstance(e, ast.Constant) and isinstance(e.value, str)]
     return None
 
 
