@@ -175,7 +175,11 @@ class Dataset:
         return self._first_samples
 
     def shard_sizes(self) -> np.ndarray:
-        """Samples per shard, in shard order."""
+        """Samples per shard, in shard order.
+
+        Returns:
+            An integer array with one entry per shard (shards.parquet's ``num_samples``).
+        """
         return self.shards.column("num_samples").to_numpy()
 
     def _fragment(self, name: str) -> pq.ParquetFile:
@@ -243,14 +247,39 @@ class Dataset:
         return table
 
     def shard_rows(self, shard: int) -> ShardRows:
-        """The manifest rows of one shard as a reader slices them (see :meth:`shard_samples`)."""
+        """The manifest rows of one shard as a reader slices them (see :meth:`shard_samples`).
+
+        Args:
+            shard: the shard number.
+
+        Returns:
+            The shard's rows, only the columns of :attr:`ShardRows.COLUMNS`, parsed anew.
+
+        Raises:
+            IndexError: there is no such shard.
+            ManifestError: its rows are unreadable, or another number than shards.parquet lists.
+            StorageError: its samples fragment could not be read.
+        """
         # Only the columns a reader slices with: decoding a row group is much cheaper without
         # the source paths and metadata, and every fresh DataLoader worker does it per shard.
         return ShardRows(self.shard_samples(shard, columns=ShardRows.COLUMNS))
 
     def cached_rows(self, shard: int) -> ShardRows:
         """:meth:`shard_rows`, kept in this process's memo of the dataset (shared by its
-        readers) within :data:`ROWS_BYTES`; the rows just parsed always stay."""
+        readers) within :data:`ROWS_BYTES`; the rows just parsed always stay.
+
+        Args:
+            shard: the shard number.
+
+        Returns:
+            The shard's rows: the kept object when there is one, so what readers build on it
+            (keys, layout) is built once.
+
+        Raises:
+            IndexError: there is no such shard.
+            ManifestError: its rows are unreadable, or another number than shards.parquet lists.
+            StorageError: its samples fragment could not be read.
+        """
         memo: dict[int, ShardRows] = self.memo("rows")
         rows = memo.get(shard)
         if rows is None:

@@ -16,11 +16,10 @@ import numpy as np
 from shardkit.errors import ConfigError, DecodeError, IntegrityError, ShardkitError, first_line
 from shardkit.format.fields import IMAGE_EXTS, TEXT_EXTS
 
-__all__ = ["IMAGE_EXTS", "LABEL_EXTS", "META_KEYS", "TEXT_EXTS", "Decoder", "decode_error", "decode_field",
-           "field_ext", "make_decoder", "npy_view", "raw"]
+__all__ = ["IMAGE_EXTS", "Decoder", "decode_error", "field_ext", "make_decoder", "npy_view"]
 
-LABEL_EXTS = ("cls", "cls2", "index", "label")  # an integer class label in ASCII
-META_KEYS = ("__key__", "__index__", "__shard__")
+_LABEL_EXTS = ("cls", "cls2", "index", "label")  # an integer class label in ASCII
+_META_KEYS = ("__key__", "__index__", "__shard__")
 
 # What ``decode=`` becomes: a sample dict of raw views in, whatever the caller wants out.
 Decoder = Callable[[dict[str, Any]], Any]
@@ -69,11 +68,18 @@ def npy_view(buf: memoryview | bytes, writable: bool = False, native: bool = Tru
 
 
 def field_ext(name: str) -> str:
-    """The extension a field is decoded by: the last one of its name, lower case."""
+    """The extension a field is decoded by: the last one of its name, lower case.
+
+    Args:
+        name: the field name, e.g. ``"image.JPG"`` or ``"jpg"``.
+
+    Returns:
+        The extension without its dot (``"jpg"``); a name without a dot is its own extension.
+    """
     return name.rsplit(".", 1)[-1].lower()
 
 
-def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
+def _decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
     """One field decoded by its extension; unknown extensions come back as ``bytes``.
 
     Args:
@@ -102,12 +108,12 @@ def decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
         return json.loads(bytes(value))
     if ext in TEXT_EXTS:
         return bytes(value).decode("utf-8")
-    if ext in LABEL_EXTS:
+    if ext in _LABEL_EXTS:
         return int(bytes(value).decode("ascii").strip())
     return bytes(value)
 
 
-def raw(sample: dict[str, Any]) -> dict[str, Any]:
+def _raw(sample: dict[str, Any]) -> dict[str, Any]:
     """Field values as ``bytes`` (what WebDataset yields without a decoder)."""
     return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in sample.items()}
 
@@ -117,7 +123,8 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
 
     Args:
         decode: ``None`` or ``"raw"`` (field values as bytes), ``"pil"`` / ``"numpy"`` (each
-            field decoded by :func:`decode_field`), or a callable applied to the raw sample.
+            field decoded by its extension: images, ``npy``, ``json``, text and label fields;
+            any other as bytes), or a callable applied to the raw sample.
 
     Returns:
         The decoder. It raises DecodeError, naming the sample and its shard, where a field
@@ -127,7 +134,7 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
         ConfigError: ``decode`` is none of those.
     """
     if decode is None or decode == "raw":
-        return raw
+        return _raw
     if decode in ("pil", "numpy"):
         mode = str(decode)
 
@@ -135,7 +142,7 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
             out: dict[str, Any] = {}
             for k, v in sample.items():
                 try:
-                    out[k] = v if k in META_KEYS else decode_field(k, v, mode)
+                    out[k] = v if k in _META_KEYS else _decode_field(k, v, mode)
                 except ShardkitError:
                     raise
                 except Exception as exc:
@@ -148,7 +155,7 @@ def make_decoder(decode: str | Decoder | None) -> Decoder:
 
         def call_user(sample: dict[str, Any]) -> Any:
             try:
-                return user(raw(sample))
+                return user(_raw(sample))
             except ShardkitError:
                 raise
             except Exception as exc:

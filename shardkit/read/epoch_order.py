@@ -120,7 +120,14 @@ class EpochOrder:
         return self._block_offsets
 
     def block(self, b: int) -> IntArray:
-        """Shard ids of block ``b`` (the shards whose samples fill ``block_offsets[b:b+2]``)."""
+        """Shard ids of block ``b`` (the shards whose samples fill ``block_offsets[b:b+2]``).
+
+        Args:
+            b: the block number, ``0 <= b < len(block_offsets) - 1`` (not checked).
+
+        Returns:
+            The block's shard ids, in the permuted order (a view: do not write it).
+        """
         return self._shard_order[b * self.block_shards:(b + 1) * self.block_shards]
 
     def _block_sequence(self, b: int) -> IntArray:
@@ -143,8 +150,16 @@ class EpochOrder:
     def indices(self, start: int, stop: int) -> IntArray:
         """Global sample indices ``G[start:stop]``, generating only the blocks it overlaps.
 
+        Args:
+            start: the first G position.
+            stop: the G position after the last one.
+
+        Returns:
+            The global sample indices, ``stop - start`` of them.
+
         Raises:
-            ConfigError: Unless ``0 <= start <= stop <= len(self)``.
+            ConfigError: ``start`` or ``stop`` is no integer, or not
+                ``0 <= start <= stop <= len(self)``.
         """
         start = int_arg("start", start, 0, len(self))
         stop = int_arg("stop", stop, start, len(self))
@@ -169,8 +184,14 @@ class EpochOrder:
         Each block touched is generated once per call, so scattered positions (a worker's
         interleaved chunks) cost no more than a slice.
 
+        Args:
+            positions: G positions, integers of any shape (read flattened).
+
+        Returns:
+            The global sample index of each position, a new 1-D array in the order given.
+
         Raises:
-            ConfigError: A position is outside ``[0, len(self))``.
+            ConfigError: The positions are no integers, or one is outside ``[0, len(self))``.
         """
         pos = self._check_indices("positions", positions)
         if not self.shuffle or pos.size == 0:
@@ -190,8 +211,15 @@ class EpochOrder:
     def shard_of(self, global_indices: ArrayLike) -> tuple[IntArray, IntArray]:
         """Map global sample indices to ``(shard_ids, positions_in_shard)``.
 
+        Args:
+            global_indices: global sample indices, integers of any shape (read flattened).
+
+        Returns:
+            (the shard of each index, its position in that shard), two 1-D arrays in the
+            order given.
+
         Raises:
-            ConfigError: An index is outside ``[0, len(self))``.
+            ConfigError: The indices are no integers, or one is outside ``[0, len(self))``.
         """
         g = self._check_indices("global_indices", global_indices)
         # side="right" skips empty shards, which share their first_sample with the next one.

@@ -83,7 +83,15 @@ def read_shards(store: Store) -> pa.Table:
 
 
 def shard_infos(shards: pa.Table) -> list[ShardInfo]:
-    """The rows of shards.parquet as :class:`ShardInfo` objects, in shard order."""
+    """The rows of shards.parquet as :class:`ShardInfo` objects, in shard order.
+
+    Args:
+        shards: shards.parquet, as :func:`read_shards` returns it.
+
+    Returns:
+        One :class:`ShardInfo` per row, in the table's order; a manifest without the
+        row-group columns gets ``samples_file=""`` and ``samples_row_group=-1``.
+    """
     cols = shards.to_pydict()
     n = shards.num_rows
     files = cols.get("samples_file") or [None] * n

@@ -75,8 +75,16 @@ def _sweep_old_copies(root: str) -> None:
 
 
 def copy_path(copies: str, name: str) -> str:
-    """Where the copy of fragment ``name`` (a path in the dataset) lives in ``copies``: a flat
-    file name, never hidden or ``..``."""
+    """Where the copy of fragment ``name`` lives in ``copies``: a flat file name, never hidden
+    or ``..``.
+
+    Args:
+        copies: the dataset's copies directory (see :func:`manifest_copies_dir`).
+        name: the fragment's path in the dataset.
+
+    Returns:
+        The copy's path (whether or not the copy exists).
+    """
     return os.path.join(copies, file_name(name))
 
 
@@ -109,7 +117,13 @@ def open_copy(path: str, name: str) -> tuple[pq.ParquetFile, int] | None:
 
 def keep_copy(copies: str, name: str, data: bytes) -> None:
     """Keep ``data``, fragment ``name`` as read from storage, in ``copies``. Best effort (a
-    failure is logged at debug level); renamed into place, so readers never see half a copy."""
+    failure is logged at debug level); renamed into place, so readers never see half a copy.
+
+    Args:
+        copies: the dataset's copies directory (made if missing).
+        name: the fragment's path in the dataset.
+        data: the fragment's bytes.
+    """
     path = copy_path(copies, name)
     try:
         os.makedirs(copies, exist_ok=True)

@@ -24,7 +24,7 @@ from shardkit.read.partition import Range
 from shardkit.read.rows import ShardRows
 from shardkit.util.lru import LRU
 
-__all__ = ["GAP_BYTES", "SEGMENT_BYTES", "SHARE_EDGE", "SPREAD_OVER_WORKERS", "WASTE_WARNING", "Run", "SegmentPlanner",
+__all__ = ["GAP_BYTES", "SEGMENT_BYTES", "SHARE_EDGE", "SPREAD_OVER_WORKERS", "Run", "SegmentPlanner",
            "ShardSegments", "merge_segments"]
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ GAP_BYTES = 1 << 20
 # bigger than this is a segment of its own).
 SEGMENT_BYTES = 64 << 20
 _PLANS_KEPT = 64  # shard plans one reader keeps (a shuffle block needs a few at a time)
-WASTE_WARNING = 1.5  # read / needed bytes of a shard above which a reader says so, once
+_WASTE_WARNING = 1.5  # read / needed bytes of a shard above which a reader says so, once
 _warned = False  # this process has warned, or been told another reader of its rank did
 # Why a reader needs only a scattered part of a shard, for the warning (the caller knows which).
 SPREAD_OVER_WORKERS = ("DataLoader workers take turns in batches, so its siblings' samples lie between its own in "
@@ -64,6 +64,12 @@ class ShardSegments:
     def of(self, positions: np.ndarray) -> np.ndarray:
         """Segment ids of in-shard ``positions``.
 
+        Args:
+            positions: in-shard positions, each one this plan needs.
+
+        Returns:
+            The segment id of each position, in the order given.
+
         Raises:
             AssertionError: a position is none this plan needs (a caller's bug).
         """
@@ -74,11 +80,25 @@ class ShardSegments:
         return self.segment[idx]
 
     def bounds(self, segment: int) -> tuple[int, int]:
-        """The shard byte range ``[lo, hi)`` of ``segment``."""
+        """The shard byte range ``[lo, hi)`` of ``segment``.
+
+        Args:
+            segment: a segment id of this shard.
+
+        Returns:
+            (lo, hi), shard byte offsets.
+        """
         return int(self.lo[segment]), int(self.hi[segment])
 
     def members(self, segment: int) -> np.ndarray:
-        """The needed positions inside ``segment`` (segment ids ascend with positions)."""
+        """The needed positions inside ``segment`` (segment ids ascend with positions).
+
+        Args:
+            segment: a segment id of this shard.
+
+        Returns:
+            The in-shard positions the reader needs from it, ascending.
+        """
         a, z = np.searchsorted(self.segment, [segment, segment + 1])
         return self.positions[a:z]
 
@@ -140,7 +160,22 @@ class SegmentPlanner:
         self._plans: LRU[int, ShardSegments] = LRU(_PLANS_KEPT)
 
     def plan(self, shard: int) -> ShardSegments:
-        """The segments of ``shard`` (planned on first use; the plans used last are kept)."""
+        """The segments of ``shard`` (planned on first use; the plans used last are kept).
+
+        Planning a shard may warn, once per process, that the reader fetches much more than
+        its samples (see ``may_warn``).
+
+        Args:
+            shard: the shard id.
+
+        Returns:
+            The shard's plan (no segments when the reader needs none of its samples).
+
+        Raises:
+            ManifestError: ``rows`` found the shard's manifest rows unreadable (a reader's
+                ``rows`` is :meth:`shardkit.read.dataset.Dataset.cached_rows`).
+            StorageError: ``rows`` could not read them from storage.
+        """
         plan = self._plans.get(shard)
         if plan is None:
             plan = self._make(shard)
@@ -148,7 +183,16 @@ class SegmentPlanner:
         return plan
 
     def needed(self, shard: int) -> np.ndarray:
-        """In-shard positions of ``shard`` the reader's ranges hold, ascending, each once."""
+        """In-shard positions of ``shard`` the reader's ranges hold, ascending, each once.
+
+        Only the G positions of the shard's shuffle block are generated and looked at.
+
+        Args:
+            shard: the shard id.
+
+        Returns:
+            The positions (int64), empty when the ranges hold none of the shard's samples.
+        """
         b = int(self._block_of[shard])
         g_lo, g_hi = int(self.order.block_offsets[b]), int(self.order.block_offsets[b + 1])
         lo = np.maximum(self._starts, g_lo)
@@ -173,6 +217,12 @@ class SegmentPlanner:
         """(shard, segment) of each run, in order, by its first sample (a run from
         :meth:`split` lies in one segment): one lookup per shard.
 
+        Args:
+            runs: (shard, in-shard positions) runs, none empty.
+
+        Returns:
+            One (shard, segment) per run, in the order of ``runs``.
+
         Raises:
             AssertionError: a run holds a sample this reader's plan does not (a caller's bug).
         """
@@ -186,7 +236,17 @@ class SegmentPlanner:
         return [(shard, found[shard][i]) for shard, i in firsts]
 
     def split(self, runs: Iterator[Run]) -> Iterator[Run]:
-        """The same runs, cut where a run crosses from one segment into another."""
+        """The same runs, cut where a run crosses from one segment into another.
+
+        Args:
+            runs: (shard, in-shard positions) runs of samples this plan needs.
+
+        Yields:
+            (shard, positions) runs in the same order, each inside one segment.
+
+        Raises:
+            AssertionError: a run holds a sample this reader's plan does not (a caller's bug).
+        """
         for shard, positions in runs:
             seg = self.plan(shard).of(positions)
             if len(seg) < 2 or (seg == seg[0]).all():
@@ -206,7 +266,7 @@ def _warn_if_wasteful(shard: int, read: int, needed: int, may_warn: Callable[[],
     # epoch has a consumed part cut out): at most two blocks per share, but with small shares
     # or datasets that is most of it.
     global _warned
-    if _warned or read <= WASTE_WARNING * needed:
+    if _warned or read <= _WASTE_WARNING * needed:
         return
     _warned = True
     # Every worker of the rank gets here at about the same time: one line per rank, not one

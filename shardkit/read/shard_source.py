@@ -34,6 +34,9 @@ from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
 from shardkit.storage.store import Store
 
+__all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "Held", "HeldKey", "Run", "ShardSource", "cache_namespace",
+           "shard_ref"]
+
 log = logging.getLogger(__name__)
 
 Run = tuple[int, np.ndarray]
@@ -60,11 +63,27 @@ _warned_no_room = False
 
 
 def cache_namespace(ds: Dataset) -> str:
-    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace."""
+    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace.
+
+    Args:
+        ds: the dataset.
+
+    Returns:
+        A hex digest of :attr:`Dataset.identity`: the node cache's namespace for its shards,
+        and the name of its manifest copies' directory.
+    """
     return xxhash.xxh3_64_hexdigest(ds.identity.encode())
 
 
 def shard_ref(info: ShardInfo) -> ShardRef:
+    """What the node cache needs to know of a shard.
+
+    Args:
+        info: the shard's row of shards.parquet.
+
+    Returns:
+        Its path in the dataset, size and xxh3-128, as the cache checks a download against them.
+    """
     return ShardRef(info.path, info.bytes, info.checksum)
 
 
@@ -75,6 +94,15 @@ class Held:
     batches copy its members with ``os.preadv`` from ``fd`` instead, because faulting
     page-cache pages into a map costs more than copying them (see benchmarks/RESULTS.md), and
     every fresh DataLoader worker would map them again.
+
+    Args:
+        base: the shard byte ``view`` starts at.
+        end: the shard byte after the last one held.
+        handle: the cached shard (pinned until :meth:`close`), when the bytes are in the cache.
+        data: the bytes in memory otherwise: a segment read without a cache, or a shard read
+            around a cache that had no room.
+        keep_map: map ``handle``'s file through the process's kept maps, which outlive this
+            object (zero-copy reads across epochs).
     """
 
     def __init__(self, base: int, end: int, *, handle: CachedShard | None = None,
@@ -88,6 +116,7 @@ class Held:
 
     @property
     def view(self) -> memoryview:
+        """The bytes held, from shard byte ``base`` (a cached shard is mapped on first use)."""
         if self._view is None:
             assert self.handle is not None
             self._view = self.handle.buffer(keep=self.keep_map)
@@ -173,11 +202,36 @@ class ShardSource:
     # ---- manifest rows --------------------------------------------------------------------
 
     def rows(self, shard: int) -> ShardRows:
+        """The manifest rows of ``shard`` (:meth:`Dataset.cached_rows`).
+
+        Args:
+            shard: the shard id.
+
+        Returns:
+            The shard's rows.
+
+        Raises:
+            IndexError: there is no such shard.
+            ManifestError: its rows are unreadable, or another number than shards.parquet lists.
+            StorageError: its samples fragment could not be read.
+        """
         # Kept per process and dataset, not per source: persistent workers open a new source
         # every epoch, and the manifest rows of a shard never change.
         return self.ds.cached_rows(shard)
 
     def layout(self, shard: int) -> FieldLayout | None:
+        """The field layout of ``shard`` (:attr:`ShardRows.layout`).
+
+        Args:
+            shard: the shard id.
+
+        Returns:
+            Its :class:`FieldLayout`, or None when it has none (its samples' fields differ).
+
+        Raises:
+            ManifestError: its rows are unreadable (see :meth:`rows`).
+            StorageError: its samples fragment could not be read.
+        """
         return self.rows(shard).layout
 
     # ---- cache downloads ------------------------------------------------------------------
@@ -203,7 +257,12 @@ class ShardSource:
         return ranged.StreamReader(self.store, ref.name, ref.size, counter=self.downloads)
 
     def plan(self, shards: Sequence[int]) -> None:
-        """Tell the cache the future order, and start fetching the first shards."""
+        """Tell the cache the future order, and start fetching the first shards (no-op
+        without a cache).
+
+        Args:
+            shards: the shard ids this reader needs, in need order.
+        """
         if self.cache is None:
             return
         infos = self.ds.shard_list
@@ -211,7 +270,12 @@ class ShardSource:
         self.advance(shards)
 
     def advance(self, upcoming: Sequence[int]) -> None:
-        """Keep prefetching the next shards (in need order) as the reader moves on."""
+        """Keep prefetching the next shards (in need order) as the reader moves on.
+
+        Args:
+            upcoming: the shard ids needed next, in need order; the first ``prefetch`` of
+                them not held already are fetched into the cache in the background.
+        """
         if not self.prefetch or not upcoming:
             return
         if self.cache is not None:
@@ -225,7 +289,31 @@ class ShardSource:
 
     def get(self, shard: int, positions: np.ndarray, window: Sequence[Run]) -> Held:
         """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it.
-        Without a cache, the runs come from ``SegmentPlanner.split``: each lies inside one segment."""
+        Without a cache, the runs come from ``SegmentPlanner.split``: each lies inside one segment.
+
+        Held bytes the window no longer needs are let go of first (and, with a cache, the
+        oldest beyond ``max_open``); without a cache, the window's next segments are read ahead.
+
+        Args:
+            shard: the shard id.
+            positions: in-shard positions of the samples wanted (one segment's, without a cache).
+            window: the runs that follow, in need order.
+
+        Returns:
+            The bytes, held until a later call lets go of them (as above), or
+            :meth:`release_all` or :meth:`close` does.
+
+        Raises:
+            IntegrityError: the bytes disagree with the manifest (a cache download, twice in a
+                row; a shard read around a full cache; a sample read without a cache).
+            StorageError: storage faults outlasted the retries.
+            CacheFullError: readers kept the node cache pinned too long (see
+                :meth:`shardkit.cache.shard_cache.ShardCache.open`).
+            CacheGoneError: the cache directory was removed while in use.
+            ConfigError: the shard is larger than the cache limit.
+            AssertionError: without a cache: no segment plan, or ``positions`` from several
+                segments (a caller's bug).
+        """
         key = self._key(shard, positions)
         held = self._held.get(key)
         if held is not None:
@@ -271,7 +359,20 @@ class ShardSource:
 
     def held_groups(self, shard: int, positions: np.ndarray) -> Sequence[slice | np.ndarray]:
         """Index groups of ``positions`` (of ``shard``) that one :meth:`get` each can serve:
-        all of them with a cache, one group per segment without."""
+        all of them with a cache, one group per segment without.
+
+        Args:
+            shard: the shard id.
+            positions: in-shard positions.
+
+        Returns:
+            Indexes into ``positions``: ``[slice(None)]`` when one :meth:`get` serves them
+            all, else one array of indexes per segment.
+
+        Raises:
+            AssertionError: without a cache: no segment plan, or a position the plan does not
+                hold (a caller's bug).
+        """
         if self.cache is not None:
             return [slice(None)]
         seg = self._segments(shard, positions)
@@ -290,7 +391,12 @@ class ShardSource:
 
     def release(self, upcoming: Sequence[HeldKey]) -> None:
         """Close held shards (segments) not in ``upcoming`` (and the oldest shards beyond
-        ``max_open``)."""
+        ``max_open``).
+
+        Args:
+            upcoming: what the next runs need held (see :data:`HeldKey`): shard ids with a
+                cache, (shard, segment) pairs without.
+        """
         if not self._held:
             return
         needed = set(upcoming)
@@ -317,7 +423,19 @@ class ShardSource:
 
     def read_uncached(self, shard: int, why: NoRoomError) -> memoryview:
         """The whole shard read from storage into memory, past a cache whose room other
-        readers' pins hold, and checked like a cache download (size and xxh3-128)."""
+        readers' pins hold, and checked like a cache download (size and xxh3-128).
+
+        Args:
+            shard: the shard id.
+            why: the cache's refusal (quoted in a warning, once per process).
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            IntegrityError: the bytes read disagree with the manifest.
+            StorageError: storage faults outlasted the retries.
+        """
         global _warned_no_room
         info = self.ds.shard_list[shard]
         if not _warned_no_room:
@@ -408,7 +526,13 @@ class ShardSource:
             self.cache.close()
 
     def stats(self) -> dict[str, float]:
-        """Counters of this source: bytes fetched from storage, cache counters, waits."""
+        """Counters of this source: bytes fetched from storage, cache counters, waits.
+
+        Returns:
+            Counter name -> value: ``bytes_fetched``, ``direct_reads``, ``uncached_reads``,
+            ``wait_seconds`` (time :meth:`get` waited for bytes), and the cache's counters (zero
+            without a cache; its ``wait_seconds`` as ``cache_wait_seconds``).
+        """
         out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched + self.downloads.bytes),
                                  "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),

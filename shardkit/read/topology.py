@@ -89,8 +89,13 @@ class FromParent:
         self.value, self.pid = state["value"], os.getpid()
 
     def get(self) -> tuple[int, int] | None:
-        """The carried (rank, world size), or None in the process that made this object (or
-        in a forked child of it, which inherited it without pickling)."""
+        """What the pickling process's rank and world size were, in the process that unpickled it.
+
+        Returns:
+            The carried (rank, world size); None in the process that made this object (or in
+            a forked child of it, which inherited it without pickling), or when the pickling
+            process's ``RANK``/``WORLD_SIZE`` were no integers.
+        """
         return self.value if self.pid == os.getpid() else None
 
 

@@ -15,8 +15,8 @@ from shardkit.format.checksums import bad_blocks
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 from shardkit.storage.store import Store
 
-__all__ = ["VERIFY_NAMED", "check_shard_bytes", "missing_samples_files", "raise_failures", "verify_blocks",
-           "verify_sample", "verify_samples", "verify_shards"]
+__all__ = ["VERIFY_NAMED", "check_shard_bytes", "missing_samples_files", "raise_failures", "verify_samples",
+           "verify_shards"]
 
 VERIFY_NAMED = 5  # failing shards a verify error names in its one line
 
@@ -38,7 +38,7 @@ def check_shard_bytes(data: bytes | memoryview, info: ShardInfo) -> None:
         raise IntegrityError(f"shard {info.shard} ({info.path}) checksum mismatch: {digest} != manifest {info.checksum}")
 
 
-def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_path: str) -> None:
+def _verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_path: str) -> None:
     """Check sample ``i``'s bytes in ``view`` (shard bytes from shard byte ``base`` on)
     against its xxh3-64.
 
@@ -62,7 +62,8 @@ def verify_sample(view: memoryview, base: int, rows: ShardRows, i: int, shard_pa
 
 
 def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.ndarray, shard_path: str) -> None:
-    """:func:`verify_sample` for many samples, one tight loop (a segment's worth at a time).
+    """Check the bytes of each sample of ``positions`` in ``view`` against its xxh3-64, in one
+    tight loop (a segment's worth at a time).
 
     Args:
         view: shard bytes from shard byte ``base`` on.
@@ -72,16 +73,17 @@ def verify_samples(view: memoryview, base: int, rows: ShardRows, positions: np.n
         shard_path: names the shard in errors.
 
     Raises:
-        IntegrityError: naming the first sample of ``positions`` that fails.
+        IntegrityError: naming the first sample of ``positions`` that lies beyond ``view`` or
+            fails its checksum.
     """
     end = len(view)
     for i, start, size, want in zip(positions.tolist(), (rows.offset[positions] - base).tolist(),
                                     rows.size[positions].tolist(), rows.checksum[positions].tolist()):
         if start < 0 or start + size > end or xxhash.xxh3_64_intdigest(view[start:start + size]) != want:
-            verify_sample(view, base, rows, i, shard_path)  # raises, naming the sample
+            _verify_sample(view, base, rows, i, shard_path)  # raises, naming the sample
 
 
-def verify_blocks(view: memoryview, info: ShardInfo, rows: ShardRows, i: int) -> None:
+def _verify_blocks(view: memoryview, info: ShardInfo, rows: ShardRows, i: int) -> None:
     """Check sample ``i``'s block checksums, if it has them, against the whole shard's bytes.
 
     Args:
@@ -172,8 +174,8 @@ def _verify_shard(store: Store, info: ShardInfo, rows_of: Callable[[int], ShardR
     rows = rows_of(info.shard)  # ManifestError unless it has num_samples rows
     view = memoryview(data)
     for i in range(len(rows)):
-        verify_sample(view, 0, rows, i, info.path)
-        verify_blocks(view, info, rows, i)
+        _verify_sample(view, 0, rows, i, info.path)
+        _verify_blocks(view, info, rows, i)
     check_shard_bytes(data, info)
     return rows.field_names
 
