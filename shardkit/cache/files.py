@@ -200,7 +200,14 @@ class FileId(NamedTuple):
 
     @staticmethod
     def of(st: os.stat_result) -> FileId:
-        """The version of a file that ``st`` (its stat) describes."""
+        """The version of a file that a stat describes.
+
+        Args:
+            st: the file's ``os.stat`` result.
+
+        Returns:
+            Its device, inode, mtime and size.
+        """
         return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
@@ -239,7 +246,11 @@ class HashingSink:
         self.pos += data.nbytes
 
     def digest(self) -> str:
-        """The xxh3-128 hex digest of the file's bytes so far."""
+        """Hash of what was written.
+
+        Returns:
+            The xxh3-128 hex digest of the file's bytes so far.
+        """
         return self._hash.hexdigest()
 
 

@@ -95,7 +95,11 @@ class KeptMaps:
                 self._drop(path)
 
     def kept_bytes(self) -> int:
-        """Bytes of the maps kept now."""
+        """How much is mapped.
+
+        Returns:
+            Bytes of the maps kept now.
+        """
         with self._mu:
             return self._maps.total
 

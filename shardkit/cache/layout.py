@@ -109,12 +109,19 @@ class CacheDir:
         return os.path.join(self.root, ns, ".locks", f"{file}.{kind}")
 
     def gone(self) -> bool:
-        """Whether this namespace's lock directory is gone (the cache was removed while in use)."""
+        """Whether the cache was removed while in use.
+
+        Returns:
+            True when this namespace's lock directory is gone.
+        """
         return not os.path.isdir(os.path.join(self.root, self.ns, ".locks"))
 
     @contextmanager
     def locked(self, op: int = fcntl.LOCK_EX) -> Iterator[None]:
         """Hold the global lock for the ``with`` block.
+
+        Yields:
+            Nothing; the lock is held until the block ends.
 
         Args:
             op: ``LOCK_EX``, or ``LOCK_SH`` to only read the accounting.
@@ -126,7 +133,11 @@ class CacheDir:
             lock.release()
 
     def scan(self) -> list[CacheEntry]:
-        """Every file that counts against the limit, all namespaces (exact with the global lock held)."""
+        """List what counts against the limit (exact with the global lock held).
+
+        Returns:
+            An entry for every cached file and reservation, in all namespaces.
+        """
         out: list[CacheEntry] = []
         for ns, _ in list_with_stat(self.root):
             if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):

@@ -174,14 +174,22 @@ class ShardCache:
         return os.path.exists(self._dir.final(file_name(ref.name)))
 
     def stats(self) -> dict[str, float]:
-        """This cache's counters: hits, misses, bytes_fetched, evictions, wait_seconds,
-        corrupt_refetches, prefetched, prefetch_skipped, landed (downloads through a landing
-        buffer)."""
+        """This cache's counters.
+
+        Returns:
+            ``hits``, ``misses``, ``bytes_fetched``, ``evictions``, ``wait_seconds``,
+            ``corrupt_refetches``, ``prefetched``, ``prefetch_skipped`` and ``landed`` (downloads
+            through a landing buffer).
+        """
         with self._mu:
             return dict(self._stats)
 
     def usage(self) -> int:
-        """Bytes counted against the limit now (all namespaces): shards plus reservations."""
+        """How full the cache is.
+
+        Returns:
+            Bytes counted against the limit now (all namespaces): shards plus reservations.
+        """
         with self._dir.locked(fcntl.LOCK_SH):
             return sum(e.size for e in self._dir.scan())
 

@@ -107,7 +107,11 @@ class ByteCounter:
             self.requests += requests
 
     def snapshot(self) -> dict[str, int]:
-        """``{"bytes": ..., "requests": ...}`` now."""
+        """The counts so far.
+
+        Returns:
+            ``{"bytes": ..., "requests": ...}``.
+        """
         with self._mu:
             return {"bytes": self.bytes, "requests": self.requests}
 

@@ -25,7 +25,11 @@ _clients_mu = threading.Lock()
 
 @functools.lru_cache(maxsize=1)
 def have_boto3() -> bool:
-    """Whether boto3 can be imported here (a dependency; checked without importing it)."""
+    """Whether boto3 can be imported here (checked without importing it).
+
+    Returns:
+        True when boto3 is installed.
+    """
     return importlib.util.find_spec("boto3") is not None
 
 

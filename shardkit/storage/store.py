@@ -119,15 +119,36 @@ class Store:
             self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
 
     def path(self, rel: str) -> str:
-        """The path on :attr:`fs` (no protocol) of ``rel``, a path relative to the root (``""``: the root)."""
+        """The path on :attr:`fs` of a path relative to the root.
+
+        Args:
+            rel: the relative path (``""``: the root).
+
+        Returns:
+            The path without protocol.
+        """
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
 
     def url_of(self, rel: str) -> str:
-        """The URL of ``rel``, a path relative to the root, for messages."""
+        """The URL of a path relative to the root, for messages.
+
+        Args:
+            rel: the relative path.
+
+        Returns:
+            The URL (credentials never appear in it: they are refused in URLs).
+        """
         return f"{self.url}/{rel}"
 
     def bucket_key(self, rel: str) -> tuple[str, str]:
-        """(bucket, key) of ``rel``, a path relative to the root, on an object store."""
+        """Where a path relative to the root lives on an object store.
+
+        Args:
+            rel: the relative path.
+
+        Returns:
+            ``(bucket, key)``.
+        """
         bucket, _, key = self.path(rel).partition("/")
         return bucket, key
 
@@ -360,6 +381,9 @@ class Store:
 
         Plain boto3 streams a GET faster than s3fs (see benchmarks/RESULTS.md), so bulk reads
         and uploads use it.
+
+        Returns:
+            The shared client for this store's endpoint and credentials, or None.
         """
         if not self.is_s3 or boto_settings(self.storage_options) is None:
             return None
@@ -371,6 +395,9 @@ class Store:
         Not when s3fs would write differently: it adds ``s3_additional_kwargs`` (SSE, ACL...)
         and fsspec config defaults to every upload, and a filesystem passed in by the caller
         carries its own settings.
+
+        Returns:
+            True when a boto3 upload writes what s3fs would.
         """
         if self._fs_given or self.storage_options.get("s3_additional_kwargs") or fsspec.config.conf.get("s3"):
             return False
