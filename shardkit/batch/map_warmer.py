@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shardkit.read.shard_source import Held
+from shardkit.read.held import Held
 from shardkit.util.libc import libc_function
 
 __all__ = ["MapWarmer"]

@@ -19,7 +19,8 @@ import numpy as np
 
 from shardkit.batch.collate import OFFSETS
 from shardkit.batch.copying import GATHER_BELOW, copy_members, read_members
-from shardkit.read.shard_source import Held, Run, ShardSource
+from shardkit.read.held import Held
+from shardkit.read.shard_source import Run, ShardSource
 
 __all__ = ["BatchPlan", "MemberCopy", "assemble", "copy_into", "done", "field_bytes", "fill", "plan_batch",
            "prepare", "view_batch"]

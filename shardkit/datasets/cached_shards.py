@@ -16,7 +16,7 @@ import xxhash
 from shardkit.cache.shard_cache import CachedShard, ShardCache
 from shardkit.errors import IntegrityError
 from shardkit.read.dataset import Dataset, ShardInfo, ShardRows
-from shardkit.read.shard_source import cache_namespace, shard_ref
+from shardkit.read.cache_refs import cache_namespace, shard_ref
 from shardkit.util.lru import LRU
 
 __all__ = ["CachedShards"]

@@ -42,7 +42,7 @@ from shardkit.read.decode import make_decoder, npy_view
 from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 from shardkit.read.samples import sample_dict
-from shardkit.read.shard_source import cache_namespace
+from shardkit.read.cache_refs import cache_namespace
 from shardkit.storage.ranged import ByteCounter, RangedReader, StreamReader, Transport, choose_transport, read_fully
 from shardkit.util.lru import LRU
 

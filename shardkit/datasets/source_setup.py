@@ -14,7 +14,8 @@ from typing import Callable
 from shardkit.cache.shard_cache import ShardCache
 from shardkit.config import human_bytes, keep_maps_budget, room_wait
 from shardkit.read.dataset import Dataset
-from shardkit.read.shard_source import ShardSource, cache_namespace
+from shardkit.read.cache_refs import cache_namespace
+from shardkit.read.shard_source import ShardSource
 from shardkit.read.topology import Topology
 
 __all__ = ["default_prefetch", "fill_threads", "open_source", "pin_budget", "readers_per_node"]

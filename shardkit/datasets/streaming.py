@@ -31,7 +31,8 @@ from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
 from shardkit.read.partition import EpochOrder, Range, rank_ranges, samples_per_rank, schedule_shards, worker_ranges, worker_schedule
 from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
-from shardkit.read.shard_source import ShardSource, cache_namespace
+from shardkit.read.cache_refs import cache_namespace
+from shardkit.read.shard_source import ShardSource
 from shardkit.read.topology import FromParent, Topology, current
 
 __all__ = ["StreamingDataset"]

@@ -39,7 +39,8 @@ from shardkit.datasets.epoch_control import ControlDir
 from shardkit.errors import ConfigError, NoRoomError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 from shardkit.read.dataset import Dataset
-from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
+from shardkit.read.cache_refs import cache_namespace, shard_ref
+from shardkit.read.shard_source import ShardSource
 from shardkit.read.topology import FromParent, current
 
 __all__ = ["MEM_SCHEME", "wds_shards"]

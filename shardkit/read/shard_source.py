@@ -14,7 +14,6 @@ so a shuffled run of one sample costs a dict lookup, not an open/flock/mmap.
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,16 +25,17 @@ import xxhash
 from shardkit.storage import ranged
 
 from shardkit.read import segments
-from shardkit.cache.shard_cache import CachedShard, ShardCache, ShardRef
+from shardkit.cache.shard_cache import ShardCache, ShardRef
 from shardkit.errors import IntegrityError, NoRoomError
+from shardkit.read.cache_refs import shard_ref
 from shardkit.read.dataset import Dataset
+from shardkit.read.held import Held
 from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
 from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
 from shardkit.storage.store import Store
 
-__all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "Held", "HeldKey", "Run", "ShardSource", "cache_namespace",
-           "shard_ref"]
+__all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "HeldKey", "Run", "ShardSource"]
 
 log = logging.getLogger(__name__)
 
@@ -60,100 +60,6 @@ MAX_READS_AHEAD = 16
 # a collective waits for this rank's step. A few seconds covers a reader finishing its batch;
 # anything longer means cache_limit is too small for the node.
 _warned_no_room = False
-
-
-def cache_namespace(ds: Dataset) -> str:
-    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace.
-
-    Args:
-        ds: the dataset.
-
-    Returns:
-        A hex digest of :attr:`Dataset.identity`: the node cache's namespace for its shards,
-        and the name of its manifest copies' directory.
-    """
-    return xxhash.xxh3_64_hexdigest(ds.identity.encode())
-
-
-def shard_ref(info: ShardInfo) -> ShardRef:
-    """What the node cache needs to know of a shard.
-
-    Args:
-        info: the shard's row of shards.parquet.
-
-    Returns:
-        Its path in the dataset, size and xxh3-128, as the cache checks a download against them.
-    """
-    return ShardRef(info.path, info.bytes, info.checksum)
-
-
-class Held:
-    """Bytes of one shard held open for the reader: ``view`` starts at shard byte ``base``.
-
-    A cached shard (``handle``) is mapped only when ``view`` or ``array`` is first used: raw
-    batches copy its members with ``os.preadv`` from ``fd`` instead, because faulting
-    page-cache pages into a map costs more than copying them (see benchmarks/RESULTS.md), and
-    every fresh DataLoader worker would map them again.
-
-    Args:
-        base: the shard byte ``view`` starts at.
-        end: the shard byte after the last one held.
-        handle: the cached shard (pinned until :meth:`close`), when the bytes are in the cache.
-        data: the bytes in memory otherwise: a segment read without a cache, or a shard read
-            around a cache that had no room.
-        keep_map: map ``handle``'s file through the process's kept maps, which outlive this
-            object (zero-copy reads across epochs).
-    """
-
-    def __init__(self, base: int, end: int, *, handle: CachedShard | None = None,
-                 data: bytes | bytearray | memoryview | None = None, keep_map: bool = False) -> None:
-        self.base, self.end = base, end
-        self.handle = handle
-        self.keep_map = keep_map  # map the cached file through the process's kept maps
-        self._view: memoryview | None = memoryview(data) if data is not None else None
-        self._array: np.ndarray | None = None
-        self.users = 0  # batch copies in flight in other threads (rawbatch.copy_into)
-
-    @property
-    def view(self) -> memoryview:
-        """The bytes held, from shard byte ``base`` (a cached shard is mapped on first use)."""
-        if self._view is None:
-            assert self.handle is not None
-            self._view = self.handle.buffer(keep=self.keep_map)
-        return self._view
-
-    @property
-    def mapped(self) -> object:
-        """What owns the pages ``view`` shows: the same object for every Held over one kept map."""
-        owner = self.view.obj
-        return owner if isinstance(owner, mmap.mmap) else self
-
-    @property
-    def array(self) -> np.ndarray:
-        """uint8 over the same bytes as ``view`` (for vectorised slicing)."""
-        if self._array is None:
-            view = self.view
-            self._array = np.frombuffer(view, np.uint8) if len(view) else np.zeros(0, np.uint8)
-        return self._array
-
-    @property
-    def hot(self) -> np.ndarray | None:
-        """The shard's bytes in this process's landing buffer (from shard byte 0), if it still
-        holds them: copy from here instead of reading the file back. Never hand out views of it."""
-        hot = self.handle.hot if self.handle is not None else None
-        return np.frombuffer(hot, np.uint8) if hot is not None and self.base == 0 else None
-
-    @property
-    def fd(self) -> int:
-        """The cached file to ``preadv`` from, or -1 when the bytes are in memory."""
-        return self.handle.fileno() if self.handle is not None else -1
-
-    def close(self) -> None:
-        """Unmap and unpin. Call only when no copy from it is in flight (``users == 0``)."""
-        self._array = None  # drop our export of the map first, so the handle can unmap it
-        self._view = None
-        if self.handle is not None:
-            self.handle.close()
 
 
 class ShardSource:

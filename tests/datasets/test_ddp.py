@@ -255,7 +255,8 @@ def test_small_shared_cache_with_a_collective_per_step_reaches_the_end(
 HOLDER = """
 import sys, time, shardkit
 from shardkit.cache.shard_cache import ShardCache
-from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
+from shardkit.read.cache_refs import cache_namespace, shard_ref
+from shardkit.read.shard_source import ShardSource
 ds = shardkit.open_dataset(sys.argv[1])
 cache = ShardCache(sys.argv[2], int(sys.argv[3]), namespace=cache_namespace(ds))
 held = cache.open(shard_ref(ds.shard_list[int(sys.argv[4])]), ShardSource(ds, None).fetch)

@@ -27,7 +27,8 @@ from shardkit.batch.collate import unpack
 from shardkit.config import human_bytes
 from shardkit.cache.shard_cache import ShardCache
 from shardkit.errors import ConfigError, IntegrityError
-from shardkit.read.shard_source import ShardSource, cache_namespace, shard_ref
+from shardkit.read.cache_refs import cache_namespace, shard_ref
+from shardkit.read.shard_source import ShardSource
 
 N = 600  # divisible by 1, 2, 3, 4
 

@@ -1,0 +1,36 @@
+"""How the read side names things in the node cache: a dataset's namespace, a shard's reference."""
+
+from __future__ import annotations
+
+import xxhash
+
+from shardkit.cache.shard_cache import ShardRef
+from shardkit.read.dataset import Dataset
+from shardkit.read.rows import ShardInfo
+
+__all__ = ["cache_namespace", "shard_ref"]
+
+
+def cache_namespace(ds: Dataset) -> str:
+    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace.
+
+    Args:
+        ds: the dataset.
+
+    Returns:
+        A hex digest of :attr:`Dataset.identity`: the node cache's namespace for its shards,
+        and the name of its manifest copies' directory.
+    """
+    return xxhash.xxh3_64_hexdigest(ds.identity.encode())
+
+
+def shard_ref(info: ShardInfo) -> ShardRef:
+    """What the node cache needs to know of a shard.
+
+    Args:
+        info: the shard's row of shards.parquet.
+
+    Returns:
+        Its path in the dataset, size and xxh3-128, as the cache checks a download against them.
+    """
+    return ShardRef(info.path, info.bytes, info.checksum)
