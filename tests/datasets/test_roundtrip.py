@@ -1,7 +1,7 @@
 """End-to-end: real inputs -> shardkit.pack -> storage (SeaweedFS S3, local disk, memory://) -> read back.
 
 Every check compares against the input files themselves, the on-storage format against
-DESIGN.md, and the shards against independent readers (Python's tarfile, GNU tar, webdataset).
+the format spec (docs/format.md), and the shards against independent readers (Python's tarfile, GNU tar, webdataset).
 """
 
 from __future__ import annotations
