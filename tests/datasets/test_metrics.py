@@ -48,11 +48,20 @@ def _data(n: int = N) -> list[dict[str, Any]]:
     return [{"__key__": f"m{i:05d}", "bin": rng.bytes(int(rng.integers(200, 3000)))} for i in range(n)]
 
 
+def scrape_text(port: int) -> str:
+    """What ``port`` (127.0.0.1) serves at /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def parse(text: str) -> dict[str, list[Any]]:
+    """The samples of each family of an exposition."""
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
 def scrape(port: int) -> dict[str, list[Any]]:
     """The samples of each family served on ``port`` (127.0.0.1)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+    return parse(scrape_text(port))
 
 
 def per_rank(families: dict[str, list[Any]], family: str, dataset: str) -> dict[str, dict[str, float]]:
@@ -182,7 +191,7 @@ def test_ddp_two_ranks_two_workers_scrape_adds_up_to_stats(s3_env: Any, s3_bucke
             assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
             assert time.monotonic() < deadline, "the ranks did not finish their epoch in 180 s"
             time.sleep(0.1)
-        families = scrape(port)
+        text = scrape_text(port)
         Path(cfg["scraped"]).write_text("done")
         for p in procs:
             assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
@@ -191,7 +200,13 @@ def test_ddp_two_ranks_two_workers_scrape_adds_up_to_stats(s3_env: Any, s3_bucke
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    families = parse(text)
     res = sorted((json.loads(p.read_text()) for p in ready), key=lambda r: r["rank"])
+    print("\nthe scrape (some of its series):")
+    for line in text.splitlines():
+        if line.startswith(("shardkit_samples_total", "shardkit_fetched_bytes_total", "shardkit_cache_misses_total",
+                            "shardkit_cache_limit_bytes", "shardkit_cache_disk_bytes")):
+            print("  " + line)
     assert Counter(k for r in res for k in r["keys"]) == Counter(d["__key__"] for d in data)
     samples = per_rank(families, "shardkit_samples", "metricsds")
     print("\nscrape during the DDP run (2 ranks x 2 workers), against each rank's stats():")
