@@ -223,3 +223,34 @@ def test_ddp_two_ranks_two_workers_scrape_adds_up_to_stats(s3_env: Any, s3_bucke
     assert sorted(r["served"] for r in res) == [port, port]  # both asked; one got the port and served both
     assert [s.value for s in families["shardkit_cache_limit_bytes"]] == [8_000_000]
     assert not list(tmp.glob("shardkit-stream-*")), "control dirs left behind"
+
+
+def test_retries_of_a_reader_reach_its_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retry made while a reader reads (here the storage retry loop itself, through a call
+    reset twice then answering) is counted under its kind in that reader's snapshot, and
+    only retries after its epoch began."""
+    from types import SimpleNamespace
+
+    from shardkit.datasets.stats import StreamStats, summed_stats
+    from shardkit.read.topology import Topology
+    from shardkit.storage import retry
+
+    monkeypatch.setattr(retry, "backoff_delay", lambda attempt: 0.0)
+    calls = {"n": 0}
+
+    def flaky() -> str:
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return "ok"
+
+    assert retry.retrying(flaky, "before", "test") == "ok"  # before the epoch: not the stream's
+    calls["n"] = 0
+    stats = StreamStats(str(tmp_path))
+    stats.begin()
+    assert retry.retrying(flaky, "shards/shard-000000.tar", "test") == "ok"
+    source = SimpleNamespace(stats=lambda: {"wait_seconds": 0.0})
+    stats.save(source, Topology(0, 1, 0, 1), final=True)  # type: ignore[arg-type]
+    got = summed_stats(str(tmp_path))
+    assert got["retries_reset"] == 2 and got["retries"] == 2
+    assert all(got[f"retries_{k}"] == 0 for k in RETRY_KINDS if k != "reset")
