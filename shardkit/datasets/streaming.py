@@ -21,6 +21,7 @@ from shardkit.batch.lookahead import LOOKAHEAD, Lookahead
 from shardkit.batch.ring import BatchRing, RingBatch
 from shardkit.config import checked_cache_dir, human_bytes, int_arg, parse_size
 from shardkit.datasets.epoch_control import ControlDir
+from shardkit.datasets.metrics import stream_metrics
 from shardkit.datasets.source_setup import default_prefetch, fill_threads, open_source, pin_budget, readers_per_node
 from shardkit.datasets.state import check_state, make_state, resume_point
 from shardkit.datasets.stats import StreamStats, summed_stats
@@ -106,6 +107,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             else 0; see :mod:`shardkit.read.topology`).
         world_size: ranks sharing the epoch (default: torch.distributed's, else ``WORLD_SIZE``,
             else 1).
+        metrics_port: export this stream's counters (those of :meth:`stats`, per rank and
+            worker) to Prometheus on this port, served by the first process of the node that
+            takes it (default: ``SHARDKIT_METRICS_PORT``, else off; needs ``prometheus_client``).
+            See :mod:`shardkit.datasets.metrics`.
 
     Raises:
         ConfigError: a bad option (a number out of range, ``zero_copy`` without what it needs,
@@ -120,7 +125,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  storage_options: dict[str, Any] | None = None, *, shuffle_block: int = DEFAULT_BLOCK_SHARDS,
                  loader_batch_size: int | None = None, prefetch: int | None = None, verify: bool = True,
                  read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, metrics_port: int | None = None) -> None:
         # Numbers checked before any I/O, each with its own name (a str from an argument
         # parser would otherwise fail as a bare TypeError, a float in an internal name later).
         batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
@@ -160,6 +165,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._remaining: list[Range] | None = None  # None: the whole epoch
         self._yielded = 0
         self._stats = StreamStats(self._control.path)
+        self.metrics_port = stream_metrics(metrics_port, self._control.path, url=self.url, cache_dir=self.cache_dir,
+                                           cache_limit=self.cache_limit)
         self._live: tuple[ShardSource, Topology] | None = None
         # Set by StreamingDataLoader before it forks its workers: raw batches are then written
         # into this shared ring and only small descriptors cross the worker pipe.
@@ -371,7 +378,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             seconds, default 5: cache_limit is too small), ``samples``, ``wait_seconds``
             (time blocked on data), ``cache_wait_seconds`` (time the cache waited for another
             process's download of a shard, or for room, in the foreground or in prefetch
-            threads) and ``wait_seconds_per_worker``.
+            threads), ``retries`` and ``retries_<kind>`` (storage calls retried while reading,
+            by kind: see :mod:`shardkit.storage.retry_counts`) and ``wait_seconds_per_worker``.
+            The Prometheus exporter (``metrics_port``) serves the same counters.
         """
         return summed_stats(self._control.path)
 

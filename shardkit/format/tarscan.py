@@ -149,7 +149,9 @@ def scan_tar(
             if member_start is not None:
                 raise UnsafeTarError(f"{name}: extension header at offset {member_start} has no member after it")
             return
-        buf = _read_at(fileobj, pos, BLOCK)
+        # Never past file_size: it may be the end of a range of a larger object, whose next
+        # bytes are not this tar's (a header cut by the end is refused as truncated).
+        buf = _read_at(fileobj, pos, min(BLOCK, file_size - pos))
         if len(buf) < BLOCK:
             _refuse_compressed(buf, pos, name)
             raise UnsafeTarError(f"{name}: truncated tar header at offset {pos} ({len(buf)} of 512 bytes)")

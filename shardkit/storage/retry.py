@@ -10,6 +10,7 @@ import time
 from typing import Callable, TypeVar
 
 from shardkit.errors import ConfigError, ShardkitError, StorageError, StoragePermissionError, StorageStalledError, first_line
+from shardkit.storage.retry_counts import count_retry
 
 __all__ = [
     "RETRY_ATTEMPTS", "TIMEOUT_ATTEMPTS", "CONNECT_ATTEMPTS", "ShortRead", "is_short", "is_transient",
@@ -142,6 +143,7 @@ def pause_before_retry(exc: BaseException, what: str, where: str, failures: int,
         failures: faults in a row so far.
         attempts: the budget :func:`attempts_for` gave.
     """
+    count_retry(exc)  # retries by kind, for stream statistics and metrics
     if is_timeout(exc):
         log.warning("storage: no answer for %s at %s (%s); retrying (%d of %d)", what, where, type(exc).__name__,
                     failures, attempts - 1)
