@@ -27,12 +27,15 @@ from shardkit.storage import ranged
 
 from shardkit.read import segments
 from shardkit.cache.shard_cache import CachedShard, ShardCache, ShardRef
-from shardkit.errors import IntegrityError, NoRoomError
+from shardkit.errors import CacheLockedError, IntegrityError, NoRoomError
 from shardkit.read.dataset import Dataset
 from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
 from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
 from shardkit.storage.store import Store
+
+__all__ = ["Run", "HeldKey", "FETCH_PART_SIZE", "FETCH_CONCURRENCY", "READ_AHEAD_THREADS", "MAX_READS_AHEAD",
+           "cache_namespace", "shard_ref", "Held", "ShardSource"]
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +60,30 @@ MAX_READS_AHEAD = 16
 # a collective waits for this rank's step. A few seconds covers a reader finishing its batch;
 # anything longer means cache_limit is too small for the node.
 _warned_no_room = False
+_warned_locked = False
 
 
 def cache_namespace(ds: Dataset) -> str:
-    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace."""
+    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace.
+
+    Args:
+        ds: the dataset.
+
+    Returns:
+        The node cache's namespace for it.
+    """
     return xxhash.xxh3_64_hexdigest(ds.identity.encode())
 
 
 def shard_ref(info: ShardInfo) -> ShardRef:
+    """The cache's description of a shard.
+
+    Args:
+        info: the shard, as the manifest lists it.
+
+    Returns:
+        Its name, size and checksum.
+    """
     return ShardRef(info.path, info.bytes, info.checksum)
 
 
@@ -75,6 +94,13 @@ class Held:
     batches copy its members with ``os.preadv`` from ``fd`` instead, because faulting
     page-cache pages into a map costs more than copying them (see benchmarks/RESULTS.md), and
     every fresh DataLoader worker would map them again.
+
+    Args:
+        base: the shard byte ``view`` starts at.
+        end: the shard byte after its last.
+        handle: the open cached shard, or None for bytes in memory.
+        data: the bytes in memory (read around the cache, or without one).
+        keep_map: map the cached file through the process's kept maps.
     """
 
     def __init__(self, base: int, end: int, *, handle: CachedShard | None = None,
@@ -173,11 +199,27 @@ class ShardSource:
     # ---- manifest rows --------------------------------------------------------------------
 
     def rows(self, shard: int) -> ShardRows:
+        """A shard's manifest rows.
+
+        Args:
+            shard: the shard's index.
+
+        Returns:
+            Its rows.
+        """
         # Kept per process and dataset, not per source: persistent workers open a new source
         # every epoch, and the manifest rows of a shard never change.
         return self.ds.cached_rows(shard)
 
     def layout(self, shard: int) -> FieldLayout | None:
+        """A shard's field layout.
+
+        Args:
+            shard: the shard's index.
+
+        Returns:
+            The layout, or None.
+        """
         return self.rows(shard).layout
 
     # ---- cache downloads ------------------------------------------------------------------
@@ -203,7 +245,11 @@ class ShardSource:
         return ranged.StreamReader(self.store, ref.name, ref.size, counter=self.downloads)
 
     def plan(self, shards: Sequence[int]) -> None:
-        """Tell the cache the future order, and start fetching the first shards."""
+        """Tell the cache the future order, and start fetching the first shards.
+
+        Args:
+            shards: shard indices in need order.
+        """
         if self.cache is None:
             return
         infos = self.ds.shard_list
@@ -211,7 +257,11 @@ class ShardSource:
         self.advance(shards)
 
     def advance(self, upcoming: Sequence[int]) -> None:
-        """Keep prefetching the next shards (in need order) as the reader moves on."""
+        """Keep prefetching the next shards as the reader moves on.
+
+        Args:
+            upcoming: shard indices in need order.
+        """
         if not self.prefetch or not upcoming:
             return
         if self.cache is not None:
@@ -224,8 +274,17 @@ class ShardSource:
     # ---- holding bytes --------------------------------------------------------------------
 
     def get(self, shard: int, positions: np.ndarray, window: Sequence[Run]) -> Held:
-        """Bytes covering samples ``positions`` of ``shard``; ``window`` is the runs after it.
-        Without a cache, the runs come from ``SegmentPlanner.split``: each lies inside one segment."""
+        """Bytes covering samples ``positions`` of ``shard``.
+
+        Args:
+            shard: the shard's index.
+            positions: sample positions in it.
+            window: the runs after it (without a cache, from ``SegmentPlanner.split``: each
+                lies inside one segment).
+
+        Returns:
+            The held bytes (read around the cache when it has no room or a lock is stuck).
+        """
         key = self._key(shard, positions)
         held = self._held.get(key)
         if held is not None:
@@ -270,8 +329,15 @@ class ShardSource:
         return self.segment_plan.plan(shard).of(positions)
 
     def held_groups(self, shard: int, positions: np.ndarray) -> Sequence[slice | np.ndarray]:
-        """Index groups of ``positions`` (of ``shard``) that one :meth:`get` each can serve:
-        all of them with a cache, one group per segment without."""
+        """Index groups of ``positions`` that one :meth:`get` each can serve.
+
+        Args:
+            shard: the shard's index.
+            positions: sample positions in it.
+
+        Returns:
+            All of them with a cache, one group per segment without.
+        """
         if self.cache is not None:
             return [slice(None)]
         seg = self._segments(shard, positions)
@@ -289,8 +355,11 @@ class ShardSource:
             self._drop(key)
 
     def release(self, upcoming: Sequence[HeldKey]) -> None:
-        """Close held shards (segments) not in ``upcoming`` (and the oldest shards beyond
-        ``max_open``)."""
+        """Close held shards (segments) not in ``upcoming`` (and the oldest shards beyond ``max_open``).
+
+        Args:
+            upcoming: what is still needed.
+        """
         if not self._held:
             return
         needed = set(upcoming)
@@ -317,10 +386,26 @@ class ShardSource:
 
     def read_uncached(self, shard: int, why: NoRoomError) -> memoryview:
         """The whole shard read from storage into memory, past a cache whose room other
-        readers' pins hold, and checked like a cache download (size and xxh3-128)."""
-        global _warned_no_room
+        readers' pins hold (or whose lock a stopped process holds: CacheLockedError), and
+        checked like a cache download (size and xxh3-128).
+
+        Args:
+            shard: the shard's index.
+            why: why the cache did not take it (said in the log).
+
+        Returns:
+            The shard's bytes.
+
+        Raises:
+            IntegrityError: they do not match the manifest.
+        """
+        global _warned_no_room, _warned_locked
         info = self.ds.shard_list[shard]
-        if not _warned_no_room:
+        if isinstance(why, CacheLockedError):
+            # A warning the first time (it names the stuck process), then one line at info level per shard.
+            log.log(logging.INFO if _warned_locked else logging.WARNING, "%s", why)
+            _warned_locked = True
+        elif not _warned_no_room:
             _warned_no_room = True
             log.warning("%s; reading it from storage without caching it (as any shard that finds no room): "
                         "cache_limit is too small for the readers on this node (ranks x DataLoader workers, "
@@ -408,12 +493,18 @@ class ShardSource:
             self.cache.close()
 
     def stats(self) -> dict[str, float]:
-        """Counters of this source: bytes fetched from storage, cache counters, waits."""
+        """Counters of this source.
+
+        Returns:
+            Bytes fetched from storage, reads without and around the cache, the cache's
+            counters (``lock_fallbacks`` among them), waits.
+        """
         out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched + self.downloads.bytes),
                                  "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),
                                  "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
-                                 "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0}
+                                 "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0,
+                                 "lock_fallbacks": 0.0}
         if self.cache is not None:
             cs = self.cache.stats()
             for k, v in cs.items():
