@@ -366,6 +366,28 @@ def test_a_stream_reads_around_a_shard_whose_download_lock_a_stopped_reader_hold
         stopped.kill()
 
 
+def test_random_access_reads_around_a_shard_whose_download_lock_a_stopped_reader_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from randomds import pack_random
+    from shardkit import ShardDataset
+    from shardkit.read.dataset import Dataset
+    from shardkit.read.shard_source import cache_namespace
+
+    url, bodies = pack_random(tmp_path, n=20, max_body=20_000, classes=2, shard_bytes="100KB", seed=6, prefix="r")
+    ds = Dataset(url)
+    cache_dir = tmp_path / "cache"
+    locks = cache_dir / cache_namespace(ds) / ".locks"
+    locks.mkdir(parents=True)
+    stopped = Stopped(str(locks / f"{file_name(ds.shard_list[0].path)}.dl"))
+    try:
+        monkeypatch.setenv("SHARDKIT_LOCK_WAIT", "1")
+        sd = ShardDataset(url, cache_dir=cache_dir, cache_shards=True)
+        got = bounded(lambda: {s["__key__"]: bytes(s["bin"]) for s in (sd[i] for i in range(len(sd)))})
+        assert got == bodies
+    finally:
+        stopped.kill()
+
+
 # ---- a read-only cache directory -----------------------------------------------------------
 
 def test_a_read_only_cache_directory_holding_shards_is_one_clear_error(tmp_path: Path, small_fs: MountFs) -> None:
