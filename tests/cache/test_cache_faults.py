@@ -30,6 +30,7 @@ from cachefakes import MB, NS, PosRemote, Remote, Store, make_store, wait_for
 from shardkit.cache import files as files_mod
 from shardkit.cache import lock_wait as lock_wait_mod
 from shardkit.cache.files import FileLock, file_name
+from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.shard_cache import ShardCache, ShardRef
 from shardkit.errors import CacheDiskFullError, CacheLockedError, ConfigError, NoRoomError
 
@@ -403,3 +404,34 @@ def test_a_read_only_cache_directory_holding_shards_is_one_clear_error(tmp_path:
     message = str(info.value)
     assert message.startswith(f"cache_dir {s.cache_dir} is not writable (Read-only file system)")
     assert "cache_dir=None" in message and "\n" not in message
+
+
+# ---- disk held by maps of evicted files ------------------------------------------------------
+
+def test_maps_of_files_another_process_evicted_let_go_of_the_disk_while_idle(tmp_path: Path,
+                                                                             small_fs: MountFs) -> None:
+    # This process keeps maps of two shards (zero-copy epochs do), then idles; another process
+    # evicts them to make room for its own. The unlinked files stay on disk while mapped: the
+    # cache's files stay within cache_limit, the disk does not. Bound: the kept maps of files
+    # evicted in the last PRUNE_EVERY seconds or so. Before, an idle process held them on for
+    # as long as it lived (they were dropped only at its next open).
+    fs = small_fs("32m")
+    limit = 8 * MB
+    s = on_fs(make_store(tmp_path, [3 * MB] * 4), fs)
+    KEPT.clear()
+    try:
+        base = fs_used(fs)
+        with s.cache(limit) as cache:
+            for ref in s.refs[:2]:
+                with cache.open(ref, s.remote) as shard:
+                    assert len(shard.buffer(keep=True)) == ref.size
+        assert KEPT.kept_bytes() == 6 * MB
+        got = run_child(_open_each, s.cache_dir, limit, s.refs[2:], s.remote, False)
+        assert got == [("ok", True), ("ok", True)]
+        assert s.cached() == {r.name for r in s.refs[2:]}  # the kept ones were evicted
+        held = fs_used(fs) - base
+        assert held <= limit + KEPT.kept_bytes() + MB  # the bound: limit + kept maps of evicted files
+        wait_for(lambda: fs_used(fs) - base <= limit + MB, timeout=15)  # let go without another open
+        assert KEPT.kept_bytes() == 0
+    finally:
+        KEPT.clear()
