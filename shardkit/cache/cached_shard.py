@@ -56,6 +56,9 @@ class CachedShard:
     def fileno(self) -> int:
         """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies.
 
+        Returns:
+            Its file descriptor.
+
         Raises:
             ValueError: the shard is closed.
         """

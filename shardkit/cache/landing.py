@@ -64,7 +64,11 @@ class Landing:
         self.opened = False  # a reader has had the hot copy (a fill ahead of the reader: not yet)
 
     def view(self) -> memoryview:
-        """The shard's bytes (``size`` of them)."""
+        """The shard's bytes.
+
+        Returns:
+            A view of the first ``size`` bytes.
+        """
         return memoryview(self.map)[:self.size]
 
 
@@ -217,7 +221,11 @@ class LandingPool:
                 buf.hot = None
 
     def held_bytes(self) -> int:
-        """Bytes of buffer memory this process holds."""
+        """Bytes of buffer memory this process holds.
+
+        Returns:
+            The buffers' capacities, summed.
+        """
         with self._mu:
             return sum(b.capacity for b in self._all)
 
