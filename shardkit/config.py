@@ -15,6 +15,7 @@ from shardkit.errors import ConfigError
 __all__ = [
     "DEFAULT_SHARD_BYTES", "DEFAULT_TASK_BYTES", "ROOM_WAIT_SECONDS", "LANDING_BYTES", "KEEP_MAPS_BYTES",
     "parse_size", "int_arg", "env_bytes", "env_seconds", "room_wait", "landing_budget", "keep_maps_budget",
+    "LOCK_WAIT_SECONDS", "LOCK_NOTE_SECONDS", "lock_wait",
     "human_bytes", "checked_cache_dir",
 ]
 
@@ -35,6 +36,8 @@ DEFAULT_TASK_BYTES = 2 * 10**9
 ROOM_WAIT_ENV, ROOM_WAIT_SECONDS = "SHARDKIT_ROOM_WAIT", 5.0
 LANDING_ENV, LANDING_BYTES = "SHARDKIT_LANDING_BYTES", 512 * 2**20
 KEEP_MAPS_ENV, KEEP_MAPS_BYTES = "SHARDKIT_KEEP_MAPS", 16 * 2**30
+LOCK_WAIT_ENV, LOCK_WAIT_SECONDS = "SHARDKIT_LOCK_WAIT", 30.0
+LOCK_NOTE_SECONDS = 5.0  # a wait for a lock of the node cache is logged, with its holder, after this long
 
 
 def parse_size(value: int | float | str, option: str) -> int:
@@ -150,6 +153,21 @@ def room_wait() -> float:
         ConfigError: the variable is not a number >= 0.
     """
     return env_seconds(ROOM_WAIT_ENV, ROOM_WAIT_SECONDS)
+
+
+def lock_wait() -> float:
+    """Seconds a reader waits for a lock of the node cache (a shard's download, the space
+    accounting) that another process holds without progress (stopped with SIGSTOP, frozen),
+    before it reads the shard around the cache. A holder that makes progress (its download
+    grows, it uses CPU) is waited for: downloads end, storage retries are bounded.
+
+    Returns:
+        ``SHARDKIT_LOCK_WAIT`` if set, else :data:`LOCK_WAIT_SECONDS`.
+
+    Raises:
+        ConfigError: the variable is not a number >= 0.
+    """
+    return env_seconds(LOCK_WAIT_ENV, LOCK_WAIT_SECONDS)
 
 
 def landing_budget() -> int:

@@ -7,11 +7,13 @@ translated and kept as ``__cause__``. Messages are one line and name the object 
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "ShardkitError", "ConfigError", "SourceError", "SourceNotFoundError", "DatasetNotFoundError",
     "DatasetExistsError", "ManifestError", "IntegrityError", "DecodeError", "UnsafeTarError",
     "StorageError", "StorageStalledError", "StoragePermissionError", "CacheFullError", "NoRoomError",
-    "CacheGoneError", "SampleNotFoundError", "first_line",
+    "CacheLockedError", "CacheGoneError", "CacheDiskFullError", "SampleNotFoundError", "first_line",
 ]
 
 
@@ -77,8 +79,35 @@ class NoRoomError(CacheFullError):
     its shard: the caller reads the shard around the cache."""
 
 
+class CacheLockedError(NoRoomError):
+    """An open waited ``SHARDKIT_LOCK_WAIT`` seconds for a lock of the node cache that another
+    process holds without making progress (stopped, or stuck): the message names the lock and
+    its holder's pid. A :class:`NoRoomError`, so every caller that reads a shard around a cache
+    without room reads this one around the cache too."""
+
+
 class CacheGoneError(ShardkitError, FileNotFoundError):
     """The cache's directory was removed while readers used it."""
+
+
+class CacheDiskFullError(ShardkitError, OSError):
+    """The disk under the node cache has no room (ENOSPC, or a quota) for a download that
+    ``cache_limit`` allows; the message names the cache directory and the room needed.
+    ``errno`` is the system's (``ENOSPC`` or ``EDQUOT``).
+
+    Args:
+        message: the one-line message.
+        err: the errno.
+    """
+
+    def __init__(self, message: str, err: int = errno.ENOSPC) -> None:
+        super().__init__(err, message)
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return type(self), (str(self.args[1]), int(self.args[0]))
 
 
 class SampleNotFoundError(ShardkitError, KeyError):

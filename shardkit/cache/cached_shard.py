@@ -57,7 +57,7 @@ class CachedShard:
         """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies.
 
         Returns:
-            The file descriptor.
+            Its file descriptor.
 
         Raises:
             ValueError: the shard is closed.

@@ -4,6 +4,7 @@ the "verified" stamp, and a sink that hashes a download while it is written."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -17,7 +18,8 @@ import xxhash
 from shardkit.errors import IntegrityError
 from shardkit.util.libc import libc_function
 
-__all__ = ["ShardRef", "FileLock", "close_inherited_locks", "preallocate", "file_name", "write_replace",
+__all__ = ["ShardRef", "FileLock", "close_inherited_locks", "NO_SPACE", "preallocate", "allocate", "file_name",
+           "write_replace",
            "unlink_quiet", "list_with_stat", "FileId", "HashingSink", "hash_fd", "verified_stamp_ns",
            "stamp_verified", "mark_used"]
 
@@ -107,20 +109,63 @@ os.register_at_fork(after_in_child=close_inherited_locks)
 
 # None where the C library has no fallocate: the reservation then stays logical only.
 _fallocate = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+_FALLOC_FL_KEEP_SIZE = 1
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a disk (or a quota) with no room left."""
 
 
-def preallocate(fd: int, size: int) -> None:
-    """Reserve disk blocks but keep st_size (FALLOC_FL_KEEP_SIZE), best effort.
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve disk blocks but keep st_size (FALLOC_FL_KEEP_SIZE).
 
-    st_size then keeps meaning "bytes downloaded so far", the point a resume starts from; a
-    failure (e.g. EOPNOTSUPP) only loses the early ENOSPC.
+    st_size then keeps meaning "bytes downloaded so far", the point a resume starts from.
 
     Args:
         fd: the file, open for writing.
         size: bytes to reserve from offset 0.
+
+    Returns:
+        True when the blocks are reserved; False where the file system (or C library) cannot
+        reserve them so (EOPNOTSUPP...): a write may then still find the disk full.
+
+    Raises:
+        OSError: ENOSPC or EDQUOT: the disk (or quota) has no room for ``size`` bytes; the
+            caller says so (its result was ignored once, and a map fill then died of SIGBUS).
     """
-    if _fallocate is not None and size > 0:
-        _fallocate(fd, 1, 0, size)
+    if size <= 0:
+        return True
+    if _fallocate is None:
+        return False
+    while _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:
+            continue
+        if err in NO_SPACE or err == errno.EFBIG:
+            raise OSError(err, os.strerror(err))
+        return False
+    return True
+
+
+def allocate(fd: int, size: int) -> None:
+    """Make the file ``size`` bytes long with disk blocks behind every byte (``posix_fallocate``;
+    the C library writes a byte per block where the file system cannot allocate).
+
+    Call before writing the file through a map: a page of a map whose block cannot be
+    allocated is SIGBUS, not an error.
+
+    Args:
+        fd: the file, open for writing (not O_APPEND).
+        size: its bytes.
+
+    Raises:
+        OSError: the blocks could not be allocated (ENOSPC or EDQUOT when the disk or quota is full).
+    """
+    if size <= 0:
+        os.ftruncate(fd, 0)
+        return
+    os.posix_fallocate(fd, 0, size)  # Python retries EINTR
+    if os.fstat(fd).st_size != size:  # longer before (a failed fill): cut it
+        os.ftruncate(fd, size)
 
 
 def file_name(name: str) -> str:
@@ -200,13 +245,13 @@ class FileId(NamedTuple):
 
     @staticmethod
     def of(st: os.stat_result) -> FileId:
-        """The version of a file that a stat describes.
+        """The version of a file that ``st`` describes.
 
         Args:
-            st: the file's ``os.stat`` result.
+            st: the file's stat.
 
         Returns:
-            Its device, inode, mtime and size.
+            Its version.
         """
         return FileId(st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -246,10 +291,10 @@ class HashingSink:
         self.pos += data.nbytes
 
     def digest(self) -> str:
-        """Hash of what was written.
+        """The xxh3-128 of the file's bytes so far.
 
         Returns:
-            The xxh3-128 hex digest of the file's bytes so far.
+            The hex digest.
         """
         return self._hash.hexdigest()
 

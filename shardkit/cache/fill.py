@@ -21,7 +21,7 @@ from typing import Callable
 
 import xxhash
 
-from shardkit.cache.files import HashingSink, ShardRef
+from shardkit.cache.files import HashingSink, ShardRef, allocate
 from shardkit.cache.landing import DirectWriter, Landing
 from shardkit.storage.ranged import PartCallback, RangeReader
 
@@ -88,10 +88,18 @@ def fill_map(reader: RangeReader, ref: ShardRef, fd: int, fetched: Callable[[int
         (size of the file, xxh3-128 of the whole file).
 
     Raises:
+        OSError: the disk has no room for the shard (ENOSPC, EDQUOT): nothing was written.
         Whatever the reader raises; the file is emptied first (its name keeps the reservation),
         so whoever tries next starts from 0.
     """
-    os.ftruncate(fd, ref.size)  # full size at once (blocks were reserved by preallocate)
+    try:
+        # Full size at once, every block allocated for real before the map is written: a
+        # page whose block the disk cannot give is SIGBUS in a map, not an error (preallocate
+        # may not have reserved them, and a failed fill truncated them away).
+        allocate(fd, ref.size)
+    except OSError:
+        os.ftruncate(fd, 0)
+        raise
     mm = mmap.mmap(fd, ref.size, access=mmap.ACCESS_WRITE) if ref.size else None
     view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
     try:
@@ -134,7 +142,11 @@ def fill_landing(reader: RangeReader, ref: ShardRef, fd: int, tmp: str, buf: Lan
     Raises:
         Whatever the reader or a write raises; the file is emptied first, as in :func:`fill_map`.
     """
-    os.ftruncate(fd, ref.size)
+    try:
+        allocate(fd, ref.size)  # the disk says now if it has no room, not at a part's write
+    except OSError:
+        os.ftruncate(fd, 0)
+        raise
     writer = DirectWriter(tmp, buf)
     view = memoryview(buf.map)[:ref.size]
     try:

@@ -64,10 +64,10 @@ class Landing:
         self.opened = False  # a reader has had the hot copy (a fill ahead of the reader: not yet)
 
     def view(self) -> memoryview:
-        """The landed bytes.
+        """The shard's bytes.
 
         Returns:
-            A view of the shard's bytes (``size`` of them).
+            A view of the first ``size`` bytes.
         """
         return memoryview(self.map)[:self.size]
 
@@ -221,10 +221,10 @@ class LandingPool:
                 buf.hot = None
 
     def held_bytes(self) -> int:
-        """How much buffer memory is held.
+        """Bytes of buffer memory this process holds.
 
         Returns:
-            Bytes of buffer memory this process holds.
+            The buffers' capacities, summed.
         """
         with self._mu:
             return sum(b.capacity for b in self._all)

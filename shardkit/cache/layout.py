@@ -13,10 +13,13 @@ its locks with its file descriptors. Layout of ``cache_dir`` (the limit covers a
 Lock order is pin -> dl -> global. The global lock is held only for metadata work and tries
 other locks only with LOCK_NB, so nobody waits while holding it and nothing can deadlock.
 Lock files are never deleted: deleting one would let two processes lock different inodes.
+No lock is waited for without bound (:mod:`.lock_wait`): a wait says who holds the lock, and
+gives up (the shard is read around the cache) when that process makes no progress.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -25,11 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardkit.cache.files import FileLock, list_with_stat, unlink_quiet
-from shardkit.errors import ConfigError
+from shardkit.cache.files import NO_SPACE, FileLock, list_with_stat, unlink_quiet
+from shardkit.cache.lock_wait import wait_lock
+from shardkit.config import human_bytes
+from shardkit.errors import CacheDiskFullError, ConfigError
 from shardkit.util.procs import pid_alive
 
-__all__ = ["CacheDir", "CacheEntry", "EX_NB"]
+__all__ = ["CacheDir", "CacheEntry", "EX_NB", "no_space_errno"]
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +62,92 @@ class CacheDir:
     Args:
         root: the cache directory (made if missing).
         ns: the namespace (a subdirectory).
+        lock_wait: seconds a wait for the global lock goes on while its holder makes no
+            progress (see :mod:`.lock_wait`); None: ``SHARDKIT_LOCK_WAIT``.
 
     Raises:
-        ConfigError: a namespace that is not a short plain name, or a directory that cannot be made.
+        ConfigError: a namespace that is not a short plain name, or a directory that cannot be
+            made or written (a read-only one, say).
+        CacheDiskFullError: no room on the disk for the cache's own directories and locks.
     """
 
-    def __init__(self, root: str, ns: str) -> None:
+    def __init__(self, root: str, ns: str, lock_wait: float | None = None) -> None:
         if not _NAMESPACE.match(ns):
             raise ConfigError(f"cache namespace must match {_NAMESPACE.pattern}, got {ns!r}")
-        self.root, self.ns = root, ns
+        self.root, self.ns, self.lock_wait = root, ns, lock_wait
         try:
             for sub in (".tmp", ".locks"):
                 os.makedirs(os.path.join(root, ns, sub), exist_ok=True)
+            # The cache writes locks and downloads here: a read-only directory (one that already
+            # holds shards, say) is said now, in one line, not as a raw OSError at the first lock.
+            os.close(os.open(os.path.join(root, ".global.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
         except OSError as exc:
-            raise ConfigError(f"cache_dir {root} is not usable: {exc}") from exc
+            if exc.errno in NO_SPACE:
+                raise self.no_space(exc.errno, "the cache's own directories and locks", 0, 0) from exc
+            raise ConfigError(self.unusable(exc)) from exc
+
+    def unusable(self, exc: OSError) -> str:
+        """The one-line message for a cache directory the cache cannot write.
+
+        Args:
+            exc: the error a write (or a directory or lock made) gave.
+
+        Returns:
+            The message, naming the directory and what to do.
+        """
+        why = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return (f"cache_dir {self.root} is not writable ({why}): the node cache writes its locks and downloads "
+                    f"there, even to read the shards it already holds; pass a writable directory on local disk as "
+                    f"cache_dir, or cache_dir=None to stream without a cache")
+        return f"cache_dir {self.root} is not usable ({why}): pass a directory on local disk as cache_dir"
+
+    def no_space(self, err: int, name: str, need: int, limit: int) -> CacheDiskFullError:
+        """The one error a full disk (or quota) under the cache becomes.
+
+        Args:
+            err: ``ENOSPC`` or ``EDQUOT``.
+            name: what was being written (a shard's name).
+            need: the bytes it needed (0: unknown).
+            limit: the cache's limit (0: unknown).
+
+        Returns:
+            The error (to raise), naming the directory, the room needed and what to do.
+        """
+        try:
+            vfs = os.statvfs(self.root)
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            free = -1
+        try:
+            held = sum(e.size for e in self.scan())
+        except OSError:
+            held = -1
+        room = f"{name} needs {human_bytes(need)}" if need else name
+        have = f"the disk has {human_bytes(free)} free" if free >= 0 else "the disk is full"
+        if held >= 0 and free >= 0 and limit:
+            fix = (f"the cache holds {human_bytes(held)} of its cache_limit {human_bytes(limit)}: lower cache_limit "
+                   f"to {human_bytes(held + free)} or less (what this disk can hold), or free space on that disk")
+        else:
+            fix = "lower cache_limit, or free space on that disk"
+        return CacheDiskFullError(f"cache_dir {self.root}: {os.strerror(err)}: {room}, {have}; {fix}", err)
+
+    def temp_progress(self, file: str) -> tuple[tuple[str, int, int, int], ...]:
+        """What changes while a download of ``file`` moves: its temp files' names, sizes,
+        mtimes and blocks (a map fill has its full size from the start).
+
+        Args:
+            file: the shard's file name.
+
+        Returns:
+            A value to compare with the one before.
+        """
+        out = []
+        for t, st in list_with_stat(os.path.join(self.root, self.ns, ".tmp")):
+            m = _TEMP.match(t.name)
+            if m is not None and m["file"] == file:
+                out.append((t.name, st.st_size, st.st_mtime_ns, st.st_blocks))
+        return tuple(sorted(out))
 
     def final(self, file: str) -> str:
         """Where a verified shard lives.
@@ -109,10 +186,10 @@ class CacheDir:
         return os.path.join(self.root, ns, ".locks", f"{file}.{kind}")
 
     def gone(self) -> bool:
-        """Whether the cache was removed while in use.
+        """Whether this namespace's lock directory is gone.
 
         Returns:
-            True when this namespace's lock directory is gone.
+            True when the cache was removed while in use.
         """
         return not os.path.isdir(os.path.join(self.root, self.ns, ".locks"))
 
@@ -125,18 +202,25 @@ class CacheDir:
 
         Args:
             op: ``LOCK_EX``, or ``LOCK_SH`` to only read the accounting.
+
+        Yields:
+            Nothing: the lock is held inside the block.
+
+        Raises:
+            CacheLockedError: its holder made no progress for :func:`~shardkit.config.lock_wait` seconds.
         """
-        lock = FileLock.take(os.path.join(self.root, ".global.lock"), op)
+        lock = wait_lock(os.path.join(self.root, ".global.lock"), op, f"the space accounting of {self.root}",
+                         limit=self.lock_wait)
         try:
             yield
         finally:
             lock.release()
 
     def scan(self) -> list[CacheEntry]:
-        """List what counts against the limit (exact with the global lock held).
+        """Every file that counts against the limit, all namespaces.
 
         Returns:
-            An entry for every cached file and reservation, in all namespaces.
+            The entries (exact with the global lock held).
         """
         out: list[CacheEntry] = []
         for ns, _ in list_with_stat(self.root):
@@ -188,3 +272,22 @@ class CacheDir:
                 log.info("cache: removing stale partial download %s", e.path)
                 unlink_quiet(e.path)
                 dl.release()
+
+
+def no_space_errno(exc: BaseException | None) -> int | None:
+    """The ``ENOSPC`` or ``EDQUOT`` behind an error: its own errno, or that of an error it was
+    raised from (a storage error translated from a write into the cache, say).
+
+    Args:
+        exc: the error.
+
+    Returns:
+        The errno, or None.
+    """
+    for _ in range(8):
+        if exc is None:
+            return None
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return exc.errno
+        exc = exc.__cause__
+    return None

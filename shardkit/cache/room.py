@@ -8,7 +8,7 @@ import os
 import time
 from typing import Callable, Mapping, Optional
 
-from shardkit.cache.files import FileLock, ShardRef, preallocate, unlink_quiet
+from shardkit.cache.files import NO_SPACE, FileLock, ShardRef, preallocate, unlink_quiet
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING
 from shardkit.cache.layout import EX_NB, CacheDir, CacheEntry
@@ -63,6 +63,8 @@ class Room:
         Raises:
             NoRoomError: after ``room_wait`` seconds, if the pinned shards alone leave no room.
             CacheFullError: after ``wait_timeout`` seconds without room.
+            CacheDiskFullError: the disk under the cache has no room for the shard (nothing is left behind).
+            CacheLockedError: the global lock's holder made no progress for ``SHARDKIT_LOCK_WAIT`` seconds.
         """
         t0 = time.monotonic()
         next_note = t0 + WAIT_NOTE_SECONDS
@@ -78,11 +80,7 @@ class Room:
                         excess += self._room_for_sooner(file, planned, entries)
                     blockers = self._evict(entries, excess, file, planned) if excess > 0 else None
                     if blockers is None:
-                        tmp = self._dir.temp(file, ref.size)
-                        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-                        preallocate(fd, ref.size)
-                        os.close(fd)
-                        return tmp, 0
+                        return self._create(ref, file), 0
                 waited = time.monotonic() - t0
                 if planned is not None:
                     return None
@@ -98,6 +96,26 @@ class Room:
         finally:
             if time.monotonic() - t0 >= _POLL:  # count waiting, not the usual quick pass
                 self._count("wait_seconds", time.monotonic() - t0)
+
+    def _create(self, ref: ShardRef, file: str) -> str:
+        """The new temp file of ``ref``, its blocks reserved where the file system can (global lock held).
+
+        A disk with less room than ``cache_limit`` allows (other files on it, or a limit larger
+        than the disk) says so here: the temp file is removed and CacheDiskFullError raised.
+        """
+        tmp = self._dir.temp(file, ref.size)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                preallocate(fd, ref.size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            unlink_quiet(tmp)
+            if exc.errno in NO_SPACE:
+                raise self._dir.no_space(exc.errno, f"shard {ref.name}", ref.size, self._limit) from exc
+            raise
+        return tmp
 
     def _check_wait(self, ref: ShardRef, blockers: list[CacheEntry], waited: float) -> None:
         """Give up a wait that has lasted long enough (see :meth:`reserve`)."""

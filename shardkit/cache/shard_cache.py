@@ -9,6 +9,7 @@ and :mod:`.cached_shard` (what :meth:`ShardCache.open` returns).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import logging
@@ -23,12 +24,14 @@ from shardkit.cache.files import (FileLock, ShardRef, file_name, hash_fd, mark_u
 from shardkit.cache.fill import fill_landing, fill_map, fill_stream
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING
-from shardkit.cache.layout import CacheDir
+from shardkit.cache.layout import CacheDir, no_space_errno
+from shardkit.cache.lock_wait import wait_lock, write_owner
 from shardkit.cache.prefetch import Prefetcher
 from shardkit.cache.room import Planned, Room
 from shardkit.cache.schedule import Schedule
 from shardkit.config import human_bytes
-from shardkit.errors import CacheGoneError, ConfigError, IntegrityError, StorageStalledError
+from shardkit.errors import (CacheGoneError, CacheLockedError, ConfigError, IntegrityError, ShardkitError, StorageError,
+                             StorageStalledError)
 from shardkit.storage.ranged import RangeReader
 
 __all__ = ["ShardRef", "ReaderFor", "ShardCache", "CachedShard", "STALL_REMEMBERED"]
@@ -70,30 +73,42 @@ class ShardCache:
             readers may never let go while this one waits: a rank in a collective waits for
             the rank whose reader waits here. Downloads in flight always end, so a wait for
             them alone goes on.
+        lock_wait: seconds an :meth:`open` waits for a lock (a shard's download, the space
+            accounting) whose holder makes no progress (a stopped process), before
+            CacheLockedError (the caller reads the shard around the cache); ``None``:
+            :func:`~shardkit.config.lock_wait` (``SHARDKIT_LOCK_WAIT``).
 
     Raises:
         ConfigError: a bad limit, namespace or wait, or a directory that cannot be made.
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str], limit_bytes: int, *, namespace: str,
-                 verify: bool = True, wait_timeout: float = 600.0, room_wait: float | None = None) -> None:
+                 verify: bool = True, wait_timeout: float = 600.0, room_wait: float | None = None,
+                 lock_wait: float | None = None) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0:
             raise ConfigError(f"cache limit_bytes must be a positive int, got {limit_bytes!r}")
         if wait_timeout < 0:
             raise ConfigError(f"cache wait_timeout must be >= 0, got {wait_timeout!r}")
         if room_wait is not None and room_wait < 0:
             raise ConfigError(f"cache room_wait must be >= 0, got {room_wait!r}")
-        self._dir = CacheDir(os.path.abspath(os.fspath(cache_dir)), namespace)
+        if lock_wait is not None and not lock_wait >= 0:
+            raise ConfigError(f"cache lock_wait must be >= 0, got {lock_wait!r}")
+        self._dir = CacheDir(os.path.abspath(os.fspath(cache_dir)), namespace, lock_wait)
         self._limit, self._verify = limit_bytes, verify
+        self._lock_wait = lock_wait
         self._mu = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
-                                     "corrupt_refetches", "prefetched", "prefetch_skipped", "landed"), 0.0)
+                                     "corrupt_refetches", "prefetched", "prefetch_skipped", "landed",
+                                     "lock_fallbacks"), 0.0)
         self._schedule = Schedule()
         self._room = Room(self._dir, limit_bytes, self._schedule, wait_timeout, room_wait, self._add)
         self._prefetcher = Prefetcher("shardkit-cache-prefetch")
         self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
-        with self._dir.locked():
-            self._dir.sweep_dead()
+        try:
+            with self._dir.locked():
+                self._dir.sweep_dead()
+        except CacheLockedError as exc:
+            log.warning("cache: not sweeping dead downloads now: %s", exc)
 
     def set_schedule(self, upcoming: Sequence[str], sizes: Sequence[int] | None = None) -> None:
         """Tell eviction this process's future need order.
@@ -126,11 +141,19 @@ class ShardCache:
             CacheFullError: readers kept too much pinned for ``wait_timeout`` seconds.
             NoRoomError: with ``room_wait``, pinned shards left no room for that long.
             CacheGoneError: the cache directory was removed while in use.
+            CacheLockedError: a lock's holder made no progress for ``lock_wait`` seconds
+                (a NoRoomError: read the shard around the cache).
+            CacheDiskFullError: the disk under the cache has no room for the shard (ENOSPC, or
+                a quota); names the directory and the room needed.
+            ConfigError: the cache directory became read-only.
             Whatever the reader raises (the partial download is kept and resumed next time;
             after a parallel reader the reservation is kept and the next time starts from 0).
         """
         try:
             return self._open(ref, fetch, landing)
+        except CacheLockedError:
+            self._add("lock_fallbacks")
+            raise
         except FileNotFoundError as exc:
             if not self._dir.gone():
                 raise  # not the cache's own files (a fetch from a local dataset, say)
@@ -138,6 +161,24 @@ class ShardCache:
             raise CacheGoneError(f"cache_dir {self._dir.root} was removed while readers used it (a tmp cleaner, "
                                  f"another job's cleanup?): shard {ref.name} cannot be cached; restart the job, "
                                  "which makes the cache again") from exc
+        except OSError as exc:
+            said = self._os_error(exc, ref)
+            if said is exc:
+                raise
+            raise said from exc
+
+    def _os_error(self, exc: OSError, ref: ShardRef) -> Exception:
+        """What an OSError from the cache's own files becomes: a full disk one error naming the
+        directory and the room needed (also when a storage error was made of it), a read-only
+        directory one line saying so; any other error stays as it is."""
+        if isinstance(exc, ShardkitError) and not isinstance(exc, StorageError):
+            return exc
+        err = no_space_errno(exc)
+        if err is not None:
+            return self._dir.no_space(err, f"shard {ref.name}", ref.size, self._limit)
+        if exc.errno == errno.EROFS and not isinstance(exc, ShardkitError):
+            return ConfigError(self._dir.unusable(exc))
+        return exc
 
     def prefetch(self, refs: Sequence[ShardRef], fetch: ReaderFor, max_ahead: int = 2,
                  landing: bool = False, at_once: int = 1) -> None:
@@ -177,18 +218,21 @@ class ShardCache:
         """This cache's counters.
 
         Returns:
-            ``hits``, ``misses``, ``bytes_fetched``, ``evictions``, ``wait_seconds``,
-            ``corrupt_refetches``, ``prefetched``, ``prefetch_skipped`` and ``landed`` (downloads
-            through a landing buffer).
+            hits, misses, bytes_fetched, evictions, wait_seconds, corrupt_refetches, prefetched,
+            prefetch_skipped, landed (downloads through a landing buffer), lock_fallbacks (opens
+            that gave up on a lock whose holder made no progress: CacheLockedError).
         """
         with self._mu:
             return dict(self._stats)
 
     def usage(self) -> int:
-        """How full the cache is.
+        """Bytes counted against the limit now (all namespaces).
 
         Returns:
-            Bytes counted against the limit now (all namespaces): shards plus reservations.
+            Shards plus reservations.
+
+        Raises:
+            CacheLockedError: the global lock's holder made no progress for ``lock_wait`` seconds.
         """
         with self._dir.locked(fcntl.LOCK_SH):
             return sum(e.size for e in self._dir.scan())
@@ -222,7 +266,8 @@ class ShardCache:
         if stalled is not None and time.monotonic() - stalled[0] < STALL_REMEMBERED:
             raise stalled[1]  # a prefetch just spent the whole retry budget on it: not a second one
         KEPT.prune()  # let go of kept maps whose files another process evicted
-        pin = FileLock.take(self._dir.lock_path(self._dir.ns, file, "pin"), fcntl.LOCK_SH)
+        pin = wait_lock(self._dir.lock_path(self._dir.ns, file, "pin"), fcntl.LOCK_SH, f"shard {ref.name}: its pin",
+                        limit=self._lock_wait)
         try:
             fd = cast(int, self._ensure(ref, fetch, file, None, landing))  # None only for a prefetch
         except BaseException:
@@ -283,12 +328,17 @@ class ShardCache:
         downloaded = False
         if state != "ok":
             t0 = time.monotonic()
-            dl = FileLock.try_take(self._dir.lock_path(self._dir.ns, file, "dl"),
-                                   fcntl.LOCK_EX | (0 if planned is None else fcntl.LOCK_NB))
+            path = self._dir.lock_path(self._dir.ns, file, "dl")
+            if planned is None:  # a reader waits for a download elsewhere, while it moves (see lock_wait)
+                dl: FileLock | None = wait_lock(path, fcntl.LOCK_EX, f"shard {ref.name}: its download",
+                                                limit=self._lock_wait, progress=lambda: self._dir.temp_progress(file))
+            else:
+                dl = FileLock.try_take(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if dl is None:  # another process is downloading it: prefetch enough
                 self._add("prefetch_skipped")
                 return None
             try:
+                write_owner(dl)  # who downloads, for a reader that waits for it (and /proc/locks)
                 self._add("wait_seconds", time.monotonic() - t0)
                 state, fd = self._open_final(ref, file)  # it may have arrived while we waited
                 if state == "corrupt":
@@ -323,6 +373,21 @@ class ShardCache:
         if got is None:
             raise _NoRoom(ref.name)
         tmp, start = got
+        try:
+            self._fill(ref, fetch, file, tmp, start, landing)
+        except OSError as exc:
+            err = no_space_errno(exc)
+            if err is None:
+                raise
+            # A full disk (or quota): what landed goes (it holds disk the cache needs, and a
+            # resume onto it would find the disk as full), and the reader is told in one line.
+            with self._dir.locked():
+                unlink_quiet(tmp)
+            raise self._dir.no_space(err, f"shard {ref.name}", ref.size, self._limit) from exc
+
+    def _fill(self, ref: ShardRef, fetch: ReaderFor, file: str, tmp: str, start: int, landing: bool) -> None:
+        """Fill the temp file ``tmp`` (``start`` bytes in it), verify and publish it; a second
+        attempt from byte 0 if the first does not match."""
         for attempt in (1, 2):
             reader = fetch(ref)
             if reader.parallel:

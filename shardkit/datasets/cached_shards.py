@@ -8,18 +8,21 @@ bears the cache's "verified" stamp.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable
 
 import xxhash
 
 from shardkit.cache.shard_cache import CachedShard, ShardCache
-from shardkit.errors import IntegrityError
+from shardkit.errors import IntegrityError, NoRoomError
 from shardkit.read.dataset import Dataset, ShardInfo, ShardRows
 from shardkit.read.cache_refs import cache_namespace, shard_ref
 from shardkit.util.lru import LRU
 
 __all__ = ["CachedShards"]
+
+log = logging.getLogger(__name__)
 
 _PREAD_CHUNK = 8 * 2**20
 _MMAP_HASH_MAX = 4 * 2**20   # smaller cached samples are hashed through the mapping
@@ -60,7 +63,9 @@ class CachedShards:
             fetch: the download ``ShardCache.open`` calls when ``cache_shards`` fetches it.
 
         Returns:
-            The open shard if it is in the cache (or ``cache_shards`` downloads it), else None.
+            The open shard if it is in the cache (or ``cache_shards`` downloads it), else None:
+            also when a stopped process holds the shard's lock (CacheLockedError, said in the
+            log): the sample is then read from storage.
 
         Raises:
             StorageError: a ``cache_shards`` download failed.
@@ -76,7 +81,11 @@ class CachedShards:
         present = cache.contains(ref)
         if not present and not self.cache_shards:
             return None
-        cached = cache.open(ref, fetch)
+        try:
+            cached = cache.open(ref, fetch)
+        except NoRoomError as exc:  # a lock whose holder is stuck: read around the cache, as streams do
+            log.warning("%s", exc)
+            return None
         self._open.put(info.shard, cached)
         return cached
 

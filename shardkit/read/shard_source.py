@@ -26,7 +26,7 @@ from shardkit.storage import ranged
 
 from shardkit.read import segments
 from shardkit.cache.shard_cache import ShardCache, ShardRef
-from shardkit.errors import IntegrityError, NoRoomError
+from shardkit.errors import CacheLockedError, IntegrityError, NoRoomError
 from shardkit.read.cache_refs import shard_ref
 from shardkit.read.dataset import Dataset
 from shardkit.read.held import Held
@@ -60,6 +60,7 @@ MAX_READS_AHEAD = 16
 # a collective waits for this rank's step. A few seconds covers a reader finishing its batch;
 # anything longer means cache_limit is too small for the node.
 _warned_no_room = False
+_warned_locked = False
 
 
 class ShardSource:
@@ -329,11 +330,12 @@ class ShardSource:
 
     def read_uncached(self, shard: int, why: NoRoomError) -> memoryview:
         """The whole shard read from storage into memory, past a cache whose room other
-        readers' pins hold, and checked like a cache download (size and xxh3-128).
+        readers' pins hold (or whose lock a stopped process holds: CacheLockedError), and
+        checked like a cache download (size and xxh3-128).
 
         Args:
-            shard: the shard id.
-            why: the cache's refusal (quoted in a warning, once per process).
+            shard: the shard's index.
+            why: why the cache did not take it (said in the log).
 
         Returns:
             The shard's bytes.
@@ -342,9 +344,13 @@ class ShardSource:
             IntegrityError: the bytes read disagree with the manifest.
             StorageError: storage faults outlasted the retries.
         """
-        global _warned_no_room
+        global _warned_no_room, _warned_locked
         info = self.ds.shard_list[shard]
-        if not _warned_no_room:
+        if isinstance(why, CacheLockedError):
+            # A warning the first time (it names the stuck process), then one line at info level per shard.
+            log.log(logging.INFO if _warned_locked else logging.WARNING, "%s", why)
+            _warned_locked = True
+        elif not _warned_no_room:
             _warned_no_room = True
             log.warning("%s; reading it from storage without caching it (as any shard that finds no room): "
                         "cache_limit is too small for the readers on this node (ranks x DataLoader workers, "
@@ -443,7 +449,8 @@ class ShardSource:
                                  "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),
                                  "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
-                                 "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0}
+                                 "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0,
+                                 "lock_fallbacks": 0.0}
         if self.cache is not None:
             cs = self.cache.stats()
             for k, v in cs.items():

@@ -21,7 +21,7 @@ import pytest
 
 from cachefakes import MB, PosRemote, Store, make_store, pos_store
 from shardkit.config import landing_budget
-from shardkit.errors import ConfigError, IntegrityError
+from shardkit.errors import CacheDiskFullError, ConfigError, IntegrityError
 from shardkit.cache.landing import LANDING, DirectWriter, Landing, LandingPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -342,8 +342,9 @@ def test_failed_landing_fill_unpins_and_the_next_open_starts_over(tmp_path: Path
 
 def test_landing_fill_whose_write_fails_raises_unpins_and_starts_over(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    # The cache disk fills up halfway through a landing fill: the error reaches the reader,
-    # nothing is published, the buffer is free again, and the next open fetches it whole.
+    # The cache disk fills up halfway through a landing fill: one CacheDiskFullError (an
+    # OSError, errno ENOSPC) reaches the reader, nothing is published or left behind (the
+    # reservation is given back), the buffer is free again, and the next open fetches it whole.
     s, fetch = part_store(tmp_path, [4 * MB + 3])
     ref = s.refs[0]
     real = os.pwrite
@@ -355,11 +356,11 @@ def test_landing_fill_whose_write_fails_raises_unpins_and_starts_over(tmp_path: 
 
     with s.cache(100 * MB) as cache:
         monkeypatch.setattr(os, "pwrite", pwrite)
-        with pytest.raises(OSError) as err:
+        with pytest.raises(CacheDiskFullError) as err:
             cache.open(ref, fetch, landing=True)
         monkeypatch.undo()
-        assert err.value.errno == errno.ENOSPC
-        assert [p.stat().st_size for p in s.temps()] == [0] and set(pins()) <= {0}
+        assert err.value.errno == errno.ENOSPC and s.cache_dir in str(err.value)
+        assert s.temps() == [] and set(pins()) <= {0}
         assert not s.final(ref).exists() and cache.stats()["landed"] == 0
         with cache.open(ref, fetch, landing=True) as shard:
             assert shard.hot is not None and Path(shard.path).read_bytes() == fetch.data(ref.name)
