@@ -21,7 +21,9 @@ compare-and-swap (S3 offers none for this), so they assume clocks agree within S
 and that a pack does not stall longer than that between a check and its next write.
 
 ``shardkit index`` takes the same claim (plan :data:`INDEX_PLAN`), so of two index runs of one
-folder, or an index and a pack, exactly one writes there.
+folder, or an index and a pack, exactly one writes there. Creating a claim or a takeover record
+is idempotent (:func:`~shardkit.packing.create_once.create_once`): a create whose answer was
+lost and that was retried finds its own claim, not another pack's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 
 from shardkit.util.procs import pid_alive
 from shardkit.errors import DatasetExistsError, ShardkitError, StorageError
+from shardkit.packing.create_once import create_once
 from shardkit.storage.store import Store
 
 __all__ = ["CLAIM", "HEARTBEAT_SECONDS", "INDEX_PLAN", "STALE_SECONDS", "TAKEOVER_PREFIX", "Claim"]
@@ -159,7 +162,7 @@ class Claim:
         """
         for _ in range(5):
             try:
-                self.store.put_create(CLAIM, self._body())
+                create_once(self.store, CLAIM, self._body())
                 self.fresh = True
                 break
             except DatasetExistsError:
@@ -204,7 +207,7 @@ class Claim:
                 f"its claim goes stale (or remove {self.store.url_of(CLAIM)} if you are sure no pack is writing there)")
         marker = TAKEOVER_PREFIX + hashlib.sha256(raw).hexdigest()[:16]
         try:
-            self.store.put_create(marker, self._body())
+            create_once(self.store, marker, self._body())
         except DatasetExistsError:
             raise DatasetExistsError(
                 f"{url}: another pack is taking over the unfinished pack there at this moment ({activity}); "
