@@ -113,7 +113,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     items = src.list_items()
     if not items:
         raise SourceError(f"source {source} is empty")
-    settings = {"on_error": on_error, "transform": desc, "source": src.describe()}
+    settings: dict[str, Any] = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
                      options=settings)
     refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
