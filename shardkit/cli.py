@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from shardkit.config import human_bytes, parse_size
 from shardkit.errors import ConfigError, ShardkitError, SourceNotFoundError, first_line
+from shardkit.storage.urls import redact_secrets
 
 __all__ = ["build_parser", "main", "sample_rate"]
 
@@ -355,12 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, SourceNotFoundError) as exc:
         if args.debug:
             raise
-        print(f"shardkit: error: {exc}", file=sys.stderr)
+        print(f"shardkit: error: {redact_secrets(str(exc))}", file=sys.stderr)
         return 2
     except ShardkitError as exc:
         if args.debug:
             raise
-        print(f"shardkit: error: {exc}", file=sys.stderr)
+        print(f"shardkit: error: {redact_secrets(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("shardkit: interrupted", file=sys.stderr)
@@ -373,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 128 + signal.SIGPIPE
         if args.debug:
             raise
-        print(f"shardkit: error: {type(exc).__name__}: {first_line(exc)} (--debug shows where)", file=sys.stderr)
+        print(f"shardkit: error: {type(exc).__name__}: {redact_secrets(first_line(exc))} (--debug shows where)",
+              file=sys.stderr)
         return 1
 
 

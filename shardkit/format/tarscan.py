@@ -8,8 +8,10 @@ to the member that follows them; that member's ``offset_header`` is the offset o
 extension header, so ``[offset_header, end)`` is a self-contained tar stream of the member.
 
 Every name is untrusted: absolute names, ``..`` components, NUL bytes, links, devices and
-fifos, sizes beyond the end of the file and truncated headers raise
-:class:`~shardkit.errors.UnsafeTarError` naming the tar and the member.
+fifos, sizes beyond the end of the file, truncated headers and more than
+:data:`MAX_EXTENDED_HEADER` bytes of extension headers before one member (or of global pax
+headers in one tar) raise :class:`~shardkit.errors.UnsafeTarError` naming the tar and the
+member. Headers past that bound are skipped unread, so memory stays bounded whatever the tar.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from shardkit.format.streams import read_exact
 __all__ = ["MAX_EXTENDED_HEADER", "TarMember", "group_members", "scan_tar", "split_name", "wds_split"]
 
 BLOCK = 512
-# Extension headers (pax records, GNU long names) larger than this are not real-world names.
+# Extension headers (pax records, GNU long names) larger than this are not real-world names:
+# the bound of one header, of all the headers before one member together, and of all global
+# pax headers of a tar together (what the scanner holds in memory at most).
 MAX_EXTENDED_HEADER = 1 << 20
 
 _REGULAR = {tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE}
@@ -144,6 +148,8 @@ def scan_tar(
     long_name: str | None = None
     long_link = False  # a GNU long link target (``././@LongLink``, type K) precedes the member
     member_start: int | None = None
+    ext_bytes = 0  # bytes of the extension headers before the member being read
+    global_bytes = 0  # bytes of the tar's global pax headers so far
     while True:
         if pos >= file_size:
             if member_start is not None:
@@ -176,6 +182,16 @@ def scan_tar(
                 raise UnsafeTarError(
                     f"{name}: extension header at offset {pos} size {size} beyond end of file"
                 )
+            if info.type == tarfile.XGLTYPE:
+                global_bytes += size
+                if global_bytes > MAX_EXTENDED_HEADER:
+                    raise UnsafeTarError(f"{name}: global pax headers of more than {MAX_EXTENDED_HEADER} bytes in all "
+                                         f"(at offset {pos}); refused")
+            else:
+                ext_bytes += size
+                if ext_bytes > MAX_EXTENDED_HEADER:  # skipped unread: refused at the member they precede
+                    pos = data_off + _round_up(size)
+                    continue
             data = _read_at(fileobj, data_off, size)
             if len(data) < size:
                 raise UnsafeTarError(f"{name}: truncated extension header at offset {pos}")
@@ -201,8 +217,12 @@ def scan_tar(
                 raise UnsafeTarError(f"{name}: member {member!r} has a bad pax size") from exc
         first = member_start
         had_long_link = long_link
-        pax, long_name, long_link, member_start = {}, None, False, None
+        extended = ext_bytes
+        pax, long_name, long_link, member_start, ext_bytes = {}, None, False, None, 0
 
+        if extended > MAX_EXTENDED_HEADER:
+            raise UnsafeTarError(f"{name}: member {member[:200]!r} has {extended} bytes of extension headers (pax records, "
+                                 f"GNU long names) before it, more than {MAX_EXTENDED_HEADER}; refused")
         _check_member_name(member, tar=name)
         if info.type in _REFUSED:
             raise UnsafeTarError(f"{name}: member {member!r} is a {_REFUSED[info.type]}; refused")

@@ -19,6 +19,11 @@ commits, so a pack whose claim was taken over (it stalled past STALE_SECONDS) st
 of committing over shards it no longer owns. The checks are a read then a write, not a
 compare-and-swap (S3 offers none for this), so they assume clocks agree within STALE_SECONDS
 and that a pack does not stall longer than that between a check and its next write.
+
+``shardkit index`` takes the same claim (plan :data:`INDEX_PLAN`), so of two index runs of one
+folder, or an index and a pack, exactly one writes there. Creating a claim or a takeover record
+is idempotent (:func:`~shardkit.packing.create_once.create_once`): a create whose answer was
+lost and that was retried finds its own claim, not another pack's.
 """
 
 from __future__ import annotations
@@ -35,14 +40,17 @@ from typing import Any
 
 from shardkit.util.procs import pid_alive
 from shardkit.errors import DatasetExistsError, ShardkitError, StorageError
+from shardkit.packing.create_once import create_once
 from shardkit.storage.store import Store
 
-__all__ = ["CLAIM", "HEARTBEAT_SECONDS", "STALE_SECONDS", "TAKEOVER_PREFIX", "Claim"]
+__all__ = ["CLAIM", "HEARTBEAT_SECONDS", "INDEX_PLAN", "STALE_SECONDS", "TAKEOVER_PREFIX", "Claim"]
 
 log = logging.getLogger(__name__)
 
 CLAIM = "_pack/plan.json"
 TAKEOVER_PREFIX = "_pack/takeover-"
+#: The plan id of ``shardkit index``'s claim: every index of a folder is the same "plan".
+INDEX_PLAN = "index"
 HEARTBEAT_SECONDS = 30.0
 # Five missed heartbeats: a refresh may sit in storage retries for a while without its pack
 # being dead.
@@ -92,10 +100,12 @@ class Claim:
         store: the destination.
         plan_id: the pack's plan fingerprint (a pack of the same plan may resume this one).
         settings: the pack's settings, recorded to say what differs when another pack is refused.
+        kind: what holds the claim, for messages: ``"pack"`` or ``"index"``.
     """
 
-    def __init__(self, store: Store, plan_id: str, settings: dict[str, Any]) -> None:
+    def __init__(self, store: Store, plan_id: str, settings: dict[str, Any], kind: str = "pack") -> None:
         self.store = store
+        self.kind = kind
         self.plan_id = plan_id
         self.settings = settings
         self.token = uuid.uuid4().hex
@@ -152,7 +162,7 @@ class Claim:
         """
         for _ in range(5):
             try:
-                self.store.put_create(CLAIM, self._body())
+                create_once(self.store, CLAIM, self._body())
                 self.fresh = True
                 break
             except DatasetExistsError:
@@ -172,6 +182,15 @@ class Claim:
         url = self.store.url
         same = claim.get("plan_id") == self.plan_id
         live, activity = self._liveness(claim)
+        if claim.get("plan_id") == INDEX_PLAN and not same:
+            # An index's tars are the user's own: no pack deletes or mixes with them, --overwrite neither.
+            hint = "wait for it to finish" if live else "rerun `shardkit index` there to finish it"
+            raise DatasetExistsError(f"{url} is being indexed by `shardkit index` ({activity}); a pack there would "
+                                     f"delete or mix with those tars (--overwrite too): pack to another prefix, or {hint}")
+        if self.kind == "index" and not same:
+            hint = "wait for it to finish" if live else "rerun that pack to finish it, or remove it"
+            raise DatasetExistsError(f"{url} holds an unfinished pack ({self.store.url_of(CLAIM)}: plan "
+                                     f"{claim.get('plan_id')}, {activity}); {hint} before indexing there")
         if not same and not overwrite:
             what = _differs(claim.get("settings"), self.settings)
             started = _when(claim.get("started") or 0)
@@ -181,13 +200,14 @@ class Claim:
                                      f"{activity}) with other {what}; {hint}")
         if live:
             age = time.time() - self._heartbeat(claim)
+            doing = "indexed by another `shardkit index`" if same and self.kind == "index" else "packed by another pack"
             raise DatasetExistsError(
-                f"{url} is being packed by another pack{' of the same input' if same else ''} ({activity}); "
+                f"{url} is being {doing}{' of the same input' if same and self.kind == 'pack' else ''} ({activity}); "
                 f"wait for it to finish, or if it is dead, rerun in {max(1, int(STALE_SECONDS - age + 1))}s, when "
                 f"its claim goes stale (or remove {self.store.url_of(CLAIM)} if you are sure no pack is writing there)")
         marker = TAKEOVER_PREFIX + hashlib.sha256(raw).hexdigest()[:16]
         try:
-            self.store.put_create(marker, self._body())
+            create_once(self.store, marker, self._body())
         except DatasetExistsError:
             raise DatasetExistsError(
                 f"{url}: another pack is taking over the unfinished pack there at this moment ({activity}); "
@@ -245,8 +265,8 @@ class Claim:
             if found is None or found[1].get("token") != self.token:
                 self._lost = self._taken_by(found)
         if self._lost is not None:
-            raise DatasetExistsError(f"{self.store.url}: another pack took over this destination while this one ran "
-                                     f"({self._lost}); this pack stopped without committing")
+            raise DatasetExistsError(f"{self.store.url}: another pack took over this destination while this "
+                                     f"{self.kind} ran ({self._lost}); this {self.kind} stopped without committing")
 
     def drop(self) -> None:
         """Stop the heartbeat and remove the claim (if still ours): this pack writes nothing."""

@@ -14,7 +14,10 @@ Samples are what the webdataset library reads from the same tars: its keys (``./
 member between two members of one sample lies inside that sample's byte range, in no field.
 
 Nothing is committed unless every tar scans cleanly and no sample key repeats:
-``dataset.json`` is written last, create-only, exactly as :func:`shardkit.pack` does. Keys
+``dataset.json`` is written last, create-only, exactly as :func:`shardkit.pack` does, and
+while holding the claim a pack holds (:mod:`shardkit.packing.claim`): of two index runs of one
+folder exactly one writes and commits, the other fails at once, having written and deleted
+nothing. Keys
 are checked with a :class:`~shardkit.packing.key_ledger.KeyLedger` (12 bytes a key) once every tar is
 read, so the driver's memory stays small at tens of millions of samples.
 """
@@ -30,7 +33,7 @@ from shardkit.errors import DatasetExistsError, SourceError
 from shardkit.format.fragments import build_fragment
 from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_info, fragment_name, parquet_file, shards_table
 from shardkit.format.rows import SampleRows, ShardRecord
-from shardkit.packing.claim import CLAIM
+from shardkit.packing.claim import INDEX_PLAN, Claim
 from shardkit.packing.index_scan import index_tar
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.manifest_writer import put_dataset_json, put_fragment, put_shards_table
@@ -76,25 +79,58 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
 
     Raises:
         DatasetExistsError: ``dest`` already holds a dataset or files under ``manifest/`` (and
-            not ``overwrite``), or an unfinished pack is writing there.
+            not ``overwrite``), or another index or a pack is writing there (or left an
+            unfinished pack).
         UnsafeTarError: a tar holds a hostile member (names it); nothing is committed.
         SourceError: no tars, or a sample key repeats (names both tars).
     """
     started = time.monotonic()
     store = Store(dest, storage_options)
+    if store.exists(DATASET_JSON) and not overwrite:  # checked again once claimed
+        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to re-index it")
+    # The claim a pack takes: of two index runs of one folder (or an index and a pack) exactly
+    # one goes on; the other fails here, before it has written or deleted anything.
+    claim = Claim(store, INDEX_PLAN, {"type": "index"}, kind="index")
+    claim.take(overwrite=False)  # a pack's claim is never taken over by an index, a dead index's is
+    try:
+        _prepare(store, claim, overwrite)
+    except BaseException:
+        claim.drop()
+        raise
+    try:
+        info = _index_claimed(store, progress)
+    except BaseException:
+        claim.release(ended=True)  # a rerun takes the claim over at once
+        raise
+    claim.release(ended=False)  # stop the heartbeat first: a late refresh would recreate the claim
+    store.remove("_pack", recursive=True)
+    log.info("indexed %d samples in %d tars (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
+             info["total_bytes"], time.monotonic() - started)
+    return info
+
+
+def _prepare(store: Store, claim: Claim, overwrite: bool) -> None:
+    """With the claim held: refuse a committed dataset (unless ``overwrite``: uncommit it) or
+    files under manifest/ that no index wrote, and clear what a dead index left there."""
     if store.exists(DATASET_JSON):
         if not overwrite:
-            raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to re-index it")
+            raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to "
+                                     "re-index it")
         store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced manifest
-    elif store.exists(CLAIM):
-        raise DatasetExistsError(f"{store.url} holds an unfinished pack ({CLAIM}); finish or remove it first")
-    if not overwrite:
+    elif claim.fresh and not overwrite:
         _refuse_foreign_manifest(store)
-    tars = _list_tars(store)
-    if not tars:
+    if not _list_tars(store):
         raise SourceError(f"no .tar files at {store.url} (looked at **/*.tar)")
-    if overwrite:
-        store.remove("manifest", recursive=True)  # --overwrite replaces manifest/ as a whole
+    if overwrite or not claim.fresh:
+        # --overwrite replaces manifest/ as a whole; a claim taken over is a dead index's, and
+        # manifest/ holds what it wrote.
+        store.remove("manifest", recursive=True)
+
+
+def _index_claimed(store: Store, progress: bool) -> dict[str, Any]:
+    """Scan every tar, write the manifest and commit it (the claim held); on failure remove
+    what this run wrote."""
+    tars = _list_tars(store)
     total = sum(store.size(t) for t in tars)
     records: list[ShardRecord] = []
     files: list[str] = []
@@ -147,8 +183,6 @@ def index_tars(dest: str, *, overwrite: bool = False, progress: bool = True,
         except Exception:  # noqa: BLE001 - best-effort cleanup while the real error propagates
             log.debug("cleanup of %s/manifest failed", store.url, exc_info=True)
         raise
-    log.info("indexed %d samples in %d tars (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
-             info["total_bytes"], time.monotonic() - started)
     return info
 
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from shardkit.format.fragments import FragmentBuilder
 from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET, dataset_json_bytes, row_groups_of, shards_table_bytes
+from shardkit.packing.create_once import create_once
 from shardkit.storage.store import Store
 
 __all__ = ["put_dataset_json", "put_fragment", "put_shards_table"]
@@ -56,6 +57,9 @@ def put_shards_table(store: Store, table: pa.Table) -> None:
 def put_dataset_json(store: Store, info: dict[str, Any]) -> None:
     """Commit: write ``dataset.json`` create-only, so exactly one of two racing packs commits.
 
+    A retried write that finds its own earlier try's ``dataset.json`` there has committed
+    (:func:`~shardkit.packing.create_once.create_once`).
+
     Args:
         store: the dataset root.
         info: the dataset's description (:func:`~shardkit.format.manifest.dataset_info`).
@@ -64,4 +68,4 @@ def put_dataset_json(store: Store, info: dict[str, Any]) -> None:
         DatasetExistsError: ``dataset.json`` exists already (another pack committed first).
         StorageError: the write failed.
     """
-    store.put_create(DATASET_JSON, dataset_json_bytes(info))
+    create_once(store, DATASET_JSON, dataset_json_bytes(info))

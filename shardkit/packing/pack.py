@@ -27,6 +27,7 @@ from shardkit.packing.plan import make_plan
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips
 from shardkit.packing.task import PackOptions
+from shardkit.packing.transforms import describe_transform
 from shardkit.storage.store import Store
 
 __all__ = ["pack"]
@@ -64,7 +65,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         ray_address: the Ray cluster for ``engine="ray"`` (default: ``RAY_ADDRESS``, else a
             local Ray).
         transform: a :class:`~shardkit.packing.transforms.ImageTransform` or callable applied to
-            each sample.
+            each sample. Its identity (part of the plan, so a rerun resumes only the same
+            transform) is its qualified name and a digest of its code and the values it closes
+            over, or the name :func:`~shardkit.packing.transforms.named_transform` gives it.
         task_bytes: the most bytes one task packs (``"2GB"``); the plan aims at enough tasks
             for a cluster to share, never fewer bytes than a shard.
         hdf5_rows: for an HDF5 source, the comma-separated datasets whose rows are the samples
@@ -93,7 +96,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     store = Store(dest, storage_options)
     refuse_nested(source, store)
     refuse_file_dest(store)
-    desc = transform.describe() if hasattr(transform, "describe") else ({"callable": repr(transform)} if transform else {})
+    desc = describe_transform(transform)  # the same in every process: a rerun resumes
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
     if _is_iterable(source):
         if engine != "local":
@@ -110,7 +113,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     items = src.list_items()
     if not items:
         raise SourceError(f"source {source} is empty")
-    settings = {"on_error": on_error, "transform": desc, "source": src.describe()}
+    settings: dict[str, Any] = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
                      options=settings)
     refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import uuid
 from typing import Any
 
 import fsspec
@@ -10,7 +13,7 @@ from fsspec.core import url_to_fs
 from shardkit.errors import StorageError
 from shardkit.storage.options import s3_options
 
-__all__ = ["open_fs", "reopen_fs", "S3FS_RETRIES"]
+__all__ = ["create_local", "open_fs", "reopen_fs", "S3FS_RETRIES"]
 
 # s3fs's own tries per call, under ours: its default 5 made every stalled call of a frozen store
 # wait 5 read timeouts before shardkit's retry loop (and its warning) saw it.
@@ -68,3 +71,53 @@ def reopen_fs(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
     # retrieved ... attached to a different loop" tracebacks in every worker.
     _PARENTS_FILESYSTEMS.append(fs)
     return type(fs)(*args, **kwargs)
+
+
+def create_local(path: str, data: bytes) -> None:
+    """Create the local (or NFS) file ``path`` holding ``data``, exclusively and atomically.
+
+    fsspec's ``pipe_file(mode="create")`` checks that the file does not exist and then writes
+    it: two writers may both pass the check (both "commit"), and a reader may see the file half
+    written. Here the bytes go to a temp file of a unique name beside ``path`` (created with
+    ``O_CREAT|O_EXCL``, written, fsynced) that is then hard-linked to ``path``: ``link`` fails
+    if ``path`` exists (on NFS too) and makes it appear complete. Where the file system has no
+    hard links, ``path`` itself is created with ``O_EXCL`` (exclusive, not atomic to readers).
+
+    Args:
+        path: the file to create (its folder exists).
+        data: its bytes.
+
+    Raises:
+        FileExistsError: ``path`` exists already.
+        OSError: the file system failed.
+    """
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.create.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+    _write_new(tmp, data)
+    try:
+        os.link(tmp, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise  # EEXIST (FileExistsError) included
+        _write_new(path, data)  # no hard links here: exclusive at least
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Write a new file (``O_EXCL``: FileExistsError if it exists), fsynced; removed if the write fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise

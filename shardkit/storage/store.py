@@ -14,9 +14,10 @@ import os
 from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError
-from shardkit.storage.filesystem import open_fs, reopen_fs
+from shardkit.storage.filesystem import create_local, open_fs, reopen_fs
 from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import retrying, translate
 from shardkit.storage.s3client import s3_client
@@ -260,7 +261,8 @@ class Store:
         self.call(lambda: self.fs.pipe_file(self.path(rel), data), rel)
 
     def put_create(self, rel: str, data: bytes) -> None:
-        """Create an object only if it does not exist (S3 ``If-None-Match: *``).
+        """Create an object only if it does not exist (S3 ``If-None-Match: *``; a local or NFS
+        file appears complete, exclusively: :func:`~shardkit.storage.filesystem.create_local`).
 
         Args:
             rel: the object, relative to the root.
@@ -273,7 +275,10 @@ class Store:
         self._parent_dir(rel)
         def put() -> None:
             try:
-                self.fs.pipe_file(self.path(rel), data, mode="create")
+                if isinstance(self.fs, LocalFileSystem):
+                    create_local(self.path(rel), data)
+                else:
+                    self.fs.pipe_file(self.path(rel), data, mode="create")
             except FileExistsError as exc:
                 raise DatasetExistsError(f"{self.url_of(rel)} already exists") from exc
             except OSError as exc:

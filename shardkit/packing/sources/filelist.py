@@ -21,6 +21,7 @@ from shardkit.errors import SourceError
 from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.files import check_image, check_root, ensure_unique, read_field
+from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["FileListSource"]
 
@@ -85,6 +86,7 @@ class FileListSource:
             SourceError: the list is unreadable, lacks the path column or holds a reserved
                 column; a row's file is missing, its path empty or its label bad (unless
                 skipped); two rows share a key.
+            ConfigError: a row's path is a URL carrying credentials or a signature.
         """
         base = Path(self.list_path).parent
         items = []
@@ -103,6 +105,8 @@ class FileListSource:
                 except SourceError as exc:
                     self.listing.bad(f"{self.list_path}: row {i}", str(exc))
                     continue
+            # A signed URL would be kept in error messages and dataset.json's "skipped": refused at once.
+            refuse_url_credentials(str(rel), f"file list {self.list_path}: row {i}: {self.path_column!r}")
             path = Path(rel) if os.path.isabs(rel) else base / rel
             try:
                 size = path.stat().st_size

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from shardkit.errors import SourceError
+from shardkit.packing.key_ledger import KeySet
 from shardkit.packing.sample import (MANIFEST_COLUMNS, FieldValue, PackSample, StreamedField, case_clash,
                                      case_clash_reason, safe_key)
 
@@ -77,7 +78,7 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
         SourceError: naming a bad item (not a dict, a repeated key, no fields, a reserved
             ``__meta__`` name, fields differing only in case, a value of no supported type).
     """
-    seen: set[str] = set()
+    seen = KeySet()  # 16 bytes a slot whatever the keys: an endless iterable holds no key strings
     for i, item in enumerate(items):
         key = ""
         try:
@@ -85,16 +86,15 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
                 raise SourceError(f"item {i} of the iterable is a {type(item).__name__}, expected a dict")
             raw = item.get("__key__", f"{i:09d}")
             key = safe_key(str(raw) if not isinstance(raw, bytes) else raw)
-            if key in seen:
-                raise SourceError(f"duplicate key {key!r} in the iterable (item {i})")
             sample = _sample(i, key, raw, item)
+            if not seen.add(key):
+                raise SourceError(f"duplicate key {key!r} in the iterable (item {i})")
         except SourceError as exc:
             if skipped is None:
                 raise
             log.warning("skipped item %d: %s", i, exc)
             skipped.append({"ref": f"item {i}", "key": key, "reason": str(exc)})
             continue
-        seen.add(key)
         yield sample
 
 
