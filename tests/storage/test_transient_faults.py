@@ -23,11 +23,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
+from botocore.exceptions import EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
 from shardkit import StreamingDataset
-from shardkit.errors import IntegrityError
+from shardkit.errors import IntegrityError, StorageError
+from shardkit.storage import retry
+from shardkit.storage.retry import attempts_for, is_connect_failure, is_transient, translate
 
 pytestmark = pytest.mark.s3
 
@@ -242,3 +245,90 @@ def test_a_byte_flipped_on_storage_still_fails_naming_the_shard(s3_server: S3Ser
     assert "\n" not in str(info.value)
     gets = [p for m, p in proxy.requests if m == "GET" and p.split("?")[0].endswith(path)]
     assert len(gets) == 3  # read three times, then refused
+
+
+# --------------------------------------------------------------------------- resets
+
+
+def test_resets_are_told_from_a_dead_endpoint() -> None:
+    # aiobotocore (s3fs) wraps a reset after connecting in the same EndpointConnectionError as a
+    # refused connect: what it wraps decides.
+    reset = EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=ConnectionResetError(104, "reset by peer"))
+    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:9", error=ConnectionRefusedError(111, "refused"))
+    bare = EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+    assert is_transient(reset) and retry.is_reset(reset) and not is_connect_failure(reset)
+    assert attempts_for(reset) == retry.RETRY_ATTEMPTS  # the budget of data reads
+    for dead in (refused, bare):
+        assert is_connect_failure(dead) and not retry.is_reset(dead)
+        assert attempts_for(dead) == retry.CONNECT_ATTEMPTS
+    assert "reset the connection" in str(translate(reset, "dataset.json", "here"))
+    assert "cannot reach storage" in str(translate(refused, "dataset.json", "here"))
+
+
+@pytest.fixture
+def count_retries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Retries of shardkit's retry loops (their backoff made zero)."""
+    seen: list[int] = []
+    real = retry.pause_before_retry
+
+    def pause(exc: BaseException, what: str, where: str, failures: int, attempts: int) -> None:
+        seen.append(failures)
+        real(exc, what, where, failures, attempts)
+    monkeypatch.setattr(retry, "pause_before_retry", pause)
+    monkeypatch.setattr(retry, "backoff_delay", lambda attempt: 0.0)
+    monkeypatch.setattr("shardkit.storage.resumable.pause_before_retry", pause)
+    return seen
+
+
+def test_four_resets_in_a_row_on_metadata_reads_are_retried(s3_server: S3Server, packed: Any,
+                                                            proxies: list[FaultProxy], count_retries: list[int]) -> None:
+    url, content = packed
+    left = [4]
+
+    def first_four(method: str, path: str) -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+    proxy = FaultProxy(s3_server.endpoint, reset=first_four)
+    proxies.append(proxy)
+    ds = shardkit.open_dataset(url, proxy.storage_options(s3_server))
+    assert proxy.resets == 4 and ds.num_samples == N
+    assert count_retries  # shardkit's retries, not only s3fs's, saw them
+
+
+def test_a_stream_without_a_cache_opens_and_reads_with_a_fifth_of_requests_reset(s3_server: S3Server, packed: Any,
+                                                                          proxies: list[FaultProxy],
+                                                                          count_retries: list[int]) -> None:
+    url, content = packed
+    seen = [0]
+
+    def some(method: str, path: str) -> bool:  # the first four requests (dataset.json), then every sixth
+        seen[0] += 1
+        return seen[0] <= 4 or seen[0] % 6 == 0
+    proxy = FaultProxy(s3_server.endpoint, reset=some)
+    proxies.append(proxy)
+    got = {s["__key__"]: bytes(s["bin"]) for s in StreamingDataset(url, storage_options=proxy.storage_options(s3_server))}
+    assert got == content
+    assert proxy.resets >= 6 and any(p.endswith("/shards/shard-000000.tar") for _, p in proxy.requests)
+
+
+def test_resets_on_every_try_fail_saying_so(s3_server: S3Server, packed: Any, proxies: list[FaultProxy],
+                                            count_retries: list[int]) -> None:
+    url, _ = packed
+    proxy = FaultProxy(s3_server.endpoint, reset=lambda m, p: True)
+    proxies.append(proxy)
+    with pytest.raises(StorageError, match=r"reset the connection for dataset\.json") as info:
+        shardkit.open_dataset(url, proxy.storage_options(s3_server))
+    assert "cannot reach" not in str(info.value) and "\n" not in str(info.value)
+    assert len(count_retries) == retry.RETRY_ATTEMPTS - 1
+
+
+def test_a_refused_connection_still_fails_fast(s3_server: S3Server, packed: Any, count_retries: list[int]) -> None:
+    url, _ = packed
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = s3_server.storage_options()
+    opts["client_kwargs"] = {**opts["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{port}"}
+    with pytest.raises(StorageError, match="cannot reach storage"):
+        shardkit.open_dataset(url, opts)
+    assert len(count_retries) == retry.CONNECT_ATTEMPTS - 1
