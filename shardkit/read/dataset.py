@@ -175,7 +175,11 @@ class Dataset:
         return self._first_samples
 
     def shard_sizes(self) -> np.ndarray:
-        """Samples per shard, in shard order."""
+        """Samples per shard, in shard order.
+
+        Returns:
+            An int64 array, one entry per shard.
+        """
         return self.shards.column("num_samples").to_numpy()
 
     def _fragment(self, name: str) -> pq.ParquetFile:
@@ -266,7 +270,18 @@ class Dataset:
 
     def cached_rows(self, shard: int) -> ShardRows:
         """:meth:`shard_rows`, kept in this process's memo of the dataset (shared by its
-        readers) within :data:`ROWS_BYTES`; the rows just parsed always stay."""
+        readers) within :data:`ROWS_BYTES`; the rows just parsed always stay.
+
+        Args:
+            shard: the shard number.
+
+        Returns:
+            Its rows, their spans checked.
+
+        Raises:
+            IndexError: there is no such shard.
+            ManifestError: as :meth:`shard_rows`.
+        """
         memo: dict[int, ShardRows] = self.memo("rows")
         rows = memo.get(shard)
         if rows is None:

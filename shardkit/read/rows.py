@@ -75,11 +75,22 @@ class ShardRows:
 
     @functools.cached_property
     def keys(self) -> list[str]:
-        """Every key as a str (~90 B a sample): for readers that go through the shard."""
+        """Every key as a str (~90 B a sample): for readers that go through the shard.
+
+        Returns:
+            The keys, in shard order (built once, then kept).
+        """
         return self._key_column.to_pylist()
 
     def key(self, i: int) -> str:
-        """Sample ``i``'s key (from :attr:`keys` once built, else from the Arrow column)."""
+        """Sample ``i``'s key (from :attr:`keys` once built, else from the Arrow column).
+
+        Args:
+            i: the sample's position in the shard.
+
+        Returns:
+            Its key.
+        """
         keys = self.__dict__.get("keys")
         return keys[i] if keys is not None else self._key_column[i].as_py()
 
@@ -106,6 +117,9 @@ class ShardRows:
 
     def block_checksums(self, i: int) -> np.ndarray | None:
         """Sample ``i``'s block checksums as recorded, unchecked (see :func:`block_checksums`).
+
+        Args:
+            i: the sample's position in the shard.
 
         Returns:
             The uint64 digests, or None when the sample has none recorded.
@@ -180,7 +194,11 @@ class ShardRows:
 
     @functools.cached_property
     def layout(self) -> FieldLayout | None:
-        """The shard's :class:`FieldLayout`, or None when its samples' fields differ."""
+        """The shard's :class:`FieldLayout`, or None when its samples' fields differ.
+
+        Returns:
+            The layout (views of the flat field arrays, built once), or None.
+        """
         n = len(self)
         if n == 0:
             return None
