@@ -6,6 +6,7 @@ is called, never at import time.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -51,18 +52,21 @@ def parse_size(value: int | float | str, option: str) -> int:
         The size in bytes.
 
     Raises:
-        ConfigError: not a size, or not positive (names ``option``).
+        ConfigError: not a size, not finite (nan, inf), or not positive (names ``option``).
     """
     if isinstance(value, bool):
         raise ConfigError(f"{option}: expected a size like '512MB', got {value!r}")
     if isinstance(value, (int, float)):
-        n = int(value)
+        number = value
     else:
         m = _SIZE.match(str(value))
         unit = m.group(2).upper() if m else None
         if not m or unit not in _UNITS:
             raise ConfigError(f"{option}: expected a size like '512MB' or '2GiB', got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+    if isinstance(number, float) and not math.isfinite(number):  # int() would raise a bare ValueError/OverflowError
+        raise ConfigError(f"{option}: expected a finite size like '512MB', got {value!r}")
+    n = int(number)
     if n <= 0:
         raise ConfigError(f"{option}: size must be positive, got {value!r}")
     return n

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from shardkit.cache.shard_cache import CachedShard, ShardRef
-from shardkit.config import checked_cache_dir, parse_size
+from shardkit.config import checked_cache_dir, int_arg, parse_size
 from shardkit.datasets.array_reads import (Fetch, NpyHeader, array_at, member_name, member_span, read_npy_header,
                                           read_rows, select_rows)
 from shardkit.datasets.cached_shards import CachedShards
@@ -89,23 +89,22 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                  storage_options: dict[str, Any] | None = None, part_size: int | str = "16MB",
                  concurrency: int = 8, *, cache_shards: bool = False, transport: Transport = "auto",
                  max_open_shards: int = 4) -> None:
-        if concurrency < 1:
-            raise ConfigError(f"concurrency: must be >= 1, got {concurrency}")
-        if max_open_shards < 1:
-            raise ConfigError(f"max_open_shards: must be >= 1, got {max_open_shards}")
+        # Every option checked before any I/O, each error naming it (a float, a str, nan).
+        concurrency = int_arg("concurrency", concurrency, 1)
+        max_open_shards = int_arg("max_open_shards", max_open_shards, 1)
         if cache_shards and cache_dir is None:
             raise ConfigError("cache_shards=True needs a cache_dir")
+        self.cache_dir = checked_cache_dir(cache_dir)
+        self.cache_limit = parse_size(cache_limit, "cache_limit")
+        self.part_size = parse_size(part_size, "part_size")
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
-        self.cache_dir = checked_cache_dir(cache_dir)
         # As StreamingDataset: manifests bounded in memory, copies local, with or without a cache.
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
-        self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.decode = decode
-        self.part_size = parse_size(part_size, "part_size")
-        self.concurrency = int(concurrency)
+        self.concurrency = concurrency
         self.cache_shards = bool(cache_shards)
-        self.max_open_shards = int(max_open_shards)
+        self.max_open_shards = max_open_shards
         self.transport = choose_transport(self.ds.store, transport)
         make_decoder(decode)  # validate in the main process
         self._first = self.ds.first_samples

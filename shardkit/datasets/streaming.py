@@ -135,13 +135,14 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         seed, shuffle_block = int_arg("seed", seed, 0, 2**64 - 1), int_arg("shuffle_block", shuffle_block, 1)
         world_size = None if world_size is None else int_arg("world_size", world_size, 1)
         rank = None if rank is None else int_arg("rank", rank, 0)
+        cache_limit = parse_size(cache_limit, "cache_limit")  # nan, inf or "-5MB": a ConfigError naming it
         self.ds = Dataset(url, storage_options)
         self.url = self.ds.url
         self.cache_dir = checked_cache_dir(cache_dir)
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
         # stream without a cache: they bound the manifest each worker holds (read.dataset.Dataset).
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
-        self.cache_limit = parse_size(cache_limit, "cache_limit")
+        self.cache_limit = cache_limit
         biggest = max(self.ds.shard_list, key=lambda i: i.bytes, default=None)
         if self.cache_dir is not None and biggest is not None and biggest.bytes > self.cache_limit:
             # Said here, not at the first batch of every worker: the shard table is known.

@@ -126,6 +126,7 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
 
         Raises:
             IntegrityError: a shard fails its checksum even after a fresh fetch.
+            ManifestError: a shard's manifest rows place a sample or field outside its bytes.
             StorageError: reading from storage failed.
         """
         mine = self.shards()
@@ -137,6 +138,9 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             source.plan(mine)
             for i, shard in enumerate(mine):
                 source.advance(mine[i + 1:i + 1 + self.prefetch])
+                # WebDataset parses the tar itself, but a manifest that places a field outside
+                # its sample is refused here too, as every other reader refuses it.
+                source.rows(shard)
                 try:
                     cached = cache.open(shard_ref(infos[shard]), source.fetch)
                 except NoRoomError as exc:

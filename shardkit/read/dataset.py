@@ -22,7 +22,7 @@ from shardkit.format.manifest import SAMPLE_COLUMNS, parquet_file
 from shardkit.read.decode import Decoder, make_decoder
 from shardkit.read.manifest import check_same_pack, count_faults, manifest_faults, read_info, read_shards, shard_infos
 from shardkit.read.manifest_copies import copy_path, keep_copy, open_copy
-from shardkit.read.rows import ShardInfo, ShardRows
+from shardkit.read.rows import ShardInfo, ShardRows, check_spans
 from shardkit.read.samples import sample_dicts
 from shardkit.read.verify import (
     check_shard_bytes,
@@ -247,7 +247,9 @@ class Dataset:
         return table
 
     def shard_rows(self, shard: int) -> ShardRows:
-        """The manifest rows of one shard as a reader slices them (see :meth:`shard_samples`).
+        """The manifest rows of one shard as a reader slices them (see :meth:`shard_samples`),
+        every sample's span checked to lie in the shard and every field's in its sample
+        (:func:`~shardkit.read.rows.check_spans`): every reader gets its rows here.
 
         Args:
             shard: the shard number.
@@ -257,12 +259,15 @@ class Dataset:
 
         Raises:
             IndexError: there is no such shard.
-            ManifestError: its rows are unreadable, or another number than shards.parquet lists.
+            ManifestError: its rows are unreadable, of another count than shards.parquet lists,
+                or place a sample or field outside its bytes.
             StorageError: its samples fragment could not be read.
         """
         # Only the columns a reader slices with: decoding a row group is much cheaper without
         # the source paths and metadata, and every fresh DataLoader worker does it per shard.
-        return ShardRows(self.shard_samples(shard, columns=ShardRows.COLUMNS))
+        rows = ShardRows(self.shard_samples(shard, columns=ShardRows.COLUMNS))
+        check_spans(self.shard_list[shard], rows)
+        return rows
 
     def cached_rows(self, shard: int) -> ShardRows:
         """:meth:`shard_rows`, kept in this process's memo of the dataset (shared by its
@@ -277,7 +282,7 @@ class Dataset:
 
         Raises:
             IndexError: there is no such shard.
-            ManifestError: its rows are unreadable, or another number than shards.parquet lists.
+            ManifestError: as :meth:`shard_rows`.
             StorageError: its samples fragment could not be read.
         """
         memo: dict[int, ShardRows] = self.memo("rows")
@@ -340,7 +345,8 @@ class Dataset:
                 yield decoder(sample)
 
     def verify(self, deep: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """Check every shard is present with the manifest's size (``deep``: and checksums).
+        """Check every shard is present with the manifest's size, and its manifest rows place
+        every sample inside the shard and every field inside its sample (``deep``: and checksums).
 
         Checks every shard even after one fails, so one run lists all that need repair.
 

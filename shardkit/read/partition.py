@@ -205,8 +205,10 @@ def consumed_remaining(remaining: Sequence[Range], world_size: int, drop_last: b
                           f"{world_size} ranks was given")
     # Consumed virtual intervals [r*n, r*n+k), cut at R because beyond it is padding; what
     # remains are the gaps between them (and the tail) in [0, R).
-    rank_lo = np.arange(world_size, dtype=np.int64) * n
-    rank_lo = rank_lo[rank_lo < total]
+    # Only ranks whose share starts before R matter: at most R of them, however large the
+    # world size (a state's world_size must not size an allocation).
+    starting = min(world_size, -(-total // n)) if n else min(world_size, 1 if total else 0)
+    rank_lo = np.arange(starting, dtype=np.int64) * n
     gap_lo = np.concatenate(([0], np.minimum(rank_lo + k, total)))
     gap_hi = np.concatenate((rank_lo, [total]))
     keep = gap_hi > gap_lo

@@ -13,7 +13,7 @@ import pyarrow as pa
 from shardkit.errors import ManifestError
 from shardkit.format.checksums import BLOCK_BYTES_KEY
 
-__all__ = ["FieldLayout", "ShardInfo", "ShardRows", "block_checksums"]
+__all__ = ["FieldLayout", "ShardInfo", "ShardRows", "block_checksums", "check_spans"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ class ShardRows:
         bounds[i]:bounds[i + 1] of the flat arrays, its names ``names[codes[...]]``."""
         fields = self.table.column("fields").combine_chunks()
         flat = fields.flatten()  # from the first sample's first field on, whatever the offsets say
+        parts = (flat.field("name"), flat.field("offset"), flat.field("size"))
+        if flat.null_count or any(p.null_count for p in parts):  # a null list is a sample without fields
+            raise ManifestError("the fields column holds nulls")  # check_spans names the shard
         bounds = fields.offsets.to_numpy()
         names = flat.field("name").dictionary_encode()
         return (bounds - bounds[0], tuple(names.dictionary.to_pylist()), names.indices.to_numpy(),
@@ -250,3 +253,50 @@ def block_checksums(info: ShardInfo, rows: ShardRows, pos: int) -> tuple[np.ndar
         raise ManifestError(f"sample {rows.key(pos)!r} in {info.path}: {len(digests)} block checksums for "
                             f"{size} bytes in blocks of {block_bytes}")
     return digests, block_bytes
+
+
+def check_spans(info: ShardInfo, rows: ShardRows) -> None:
+    """Refuse manifest rows that place a sample outside its shard, or a field outside its
+    sample's bytes ``[offset, offset+size)``: the only bytes its checksum covers. Readers
+    slice fields with these spans unchecked (a negative offset would count from the end), so
+    a bad span would hand out another sample's bytes, or a truncated field, with no error.
+
+    Once per shard, when its rows are read, in a few numpy passes (no per-sample Python).
+
+    Args:
+        info: the shard's row of shards.parquet (names it in the error).
+        rows: its manifest rows.
+
+    Raises:
+        ManifestError: naming the shard, the sample's key and the field at fault.
+    """
+    where = f"shard {info.shard} ({info.path})"
+    fix = (f"the sample manifest{' ' + info.samples_file if info.samples_file else ''} is corrupt or was "
+           "edited: restore it, or pack the dataset again")
+    if len(rows) == 0:
+        return
+    off, size = rows.offset, rows.size
+    if any(col.dtype.kind not in "iu" for col in (off, size, rows.checksum)):  # nulls make them floats
+        raise ManifestError(f"{where}: sample offsets, sizes or checksums hold nulls; {fix}")
+    off, size = off.astype(np.int64, copy=False), size.astype(np.int64, copy=False)
+    bad = np.flatnonzero((off < 0) | (size < 0) | (off > info.bytes - size))
+    if bad.size:
+        i = int(bad[0])
+        raise ManifestError(f"{where}: sample {rows.key(i)!r} spans bytes [{int(off[i])}, {int(off[i]) + int(size[i])}), "
+                            f"outside the shard's {info.bytes} bytes; {fix}")
+    try:
+        bounds, names, codes, foffs, fsizes = rows._fields
+    except ManifestError as exc:
+        raise ManifestError(f"{where}: {exc}; {fix}") from exc
+    owner = np.repeat(np.arange(len(rows), dtype=np.int64), np.diff(bounds))
+    lo = off[owner]
+    hi = lo + size[owner]
+    foffs, fsizes = foffs.astype(np.int64, copy=False), fsizes.astype(np.int64, copy=False)
+    # fsizes >= 0 and hi <= info.bytes: hi - fsizes cannot overflow where it decides
+    bad = np.flatnonzero((fsizes < 0) | (foffs < lo) | (foffs > hi - fsizes))
+    if bad.size:
+        j = int(bad[0])
+        i = int(owner[j])
+        raise ManifestError(f"{where}: field {names[int(codes[j])]!r} of sample {rows.key(i)!r} spans bytes "
+                            f"[{int(foffs[j])}, {int(foffs[j]) + int(fsizes[j])}), outside the sample's "
+                            f"[{int(lo[j])}, {int(hi[j])}); {fix}")

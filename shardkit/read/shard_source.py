@@ -33,6 +33,7 @@ from shardkit.read.held import Held
 from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
 from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
+from shardkit.storage.retry import backoff_delay
 from shardkit.storage.store import Store
 
 __all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "HeldKey", "Run", "ShardSource"]
@@ -54,6 +55,9 @@ FETCH_CONCURRENCY = 2
 # Segments can be small (a worker's batch of small samples), so a few run in parallel.
 READ_AHEAD_THREADS = 4
 MAX_READS_AHEAD = 16
+# Reads of a segment whose samples fail their checksums, before it counts as corrupt on storage
+# (a byte flipped in transit is gone on the next read).
+SEGMENT_READS = 3
 # A reader waits config.room_wait() seconds for cache room that shards pinned by other readers
 # on the node hold, then reads the shard from storage without caching it. Those readers may not
 # let go while it waits: a DDP rank whose reader sits on its shard while the training loop is in
@@ -84,6 +88,7 @@ class ShardSource:
         self.downloads = ranged.ByteCounter()  # what cache downloads moved (the prefetch thread's too)
         self._ranged: bool | None = None  # S3 through boto3: cache downloads use ranged GETs
         self.direct_reads = 0
+        self.segment_rereads = 0  # segments read again after a failed check (see _read_segment)
         self.uncached_reads = 0  # shards read around a cache that had no room (see read_uncached)
         self.wait_seconds = 0.0
         self._held: dict[HeldKey, Held] = {}  # by shard, or (shard, segment) without a cache
@@ -387,17 +392,35 @@ class ShardSource:
 
     def _read_segment(self, info: ShardInfo, rows: ShardRows, positions: np.ndarray, lo: int, hi: int) -> memoryview:
         """Shard bytes ``[lo, hi)``, each sample of ``positions`` checked (xxh3-64) as they
-        arrive: in a read-ahead thread, off the training loop's path."""
-        # Ranged GETs of FETCH_PART_SIZE, FETCH_CONCURRENCY at a time, read straight into one
-        # buffer: a segment of one 300 MB sample arrives in parallel parts, copied once.
-        data = ranged.read_range(self.store, info.path, lo, hi, FETCH_PART_SIZE, FETCH_CONCURRENCY)
-        with self._fetched_mu:
-            self.bytes_fetched += len(data)
-            self.direct_reads += 1
-        view = memoryview(data)  # type: ignore[arg-type]  # numpy arrays are buffers
-        if self.verify:
-            verify_samples(view, lo, rows, positions, f"shard {info.shard} ({info.path})")
-        return view
+        arrive: in a read-ahead thread, off the training loop's path.
+
+        A segment that fails a check is read again (up to :data:`SEGMENT_READS` reads, with
+        backoff): a byte flipped in transit is gone on the next read, as the cache's and
+        random access's re-reads find; one that fails every read is corrupt on storage."""
+        where = f"shard {info.shard} ({info.path})"
+        for attempt in range(1, SEGMENT_READS + 1):
+            # Ranged GETs of FETCH_PART_SIZE, FETCH_CONCURRENCY at a time, read straight into one
+            # buffer: a segment of one 300 MB sample arrives in parallel parts, copied once.
+            data = ranged.read_range(self.store, info.path, lo, hi, FETCH_PART_SIZE, FETCH_CONCURRENCY)
+            with self._fetched_mu:
+                self.bytes_fetched += len(data)
+                self.direct_reads += 1
+            view = memoryview(data)  # type: ignore[arg-type]  # numpy arrays are buffers
+            if not self.verify:
+                return view
+            try:
+                verify_samples(view, lo, rows, positions, where)
+                return view
+            except IntegrityError as exc:
+                if attempt == SEGMENT_READS:
+                    raise IntegrityError(f"{exc}, on each of {SEGMENT_READS} reads of bytes [{lo}, {hi}): corrupt on "
+                                         f"storage; shardkit verify --deep {self.ds.url} lists every bad shard") from exc
+                log.warning("%s; reading bytes [%d, %d) of it again (read %d of %d)", exc, lo, hi, attempt,
+                            SEGMENT_READS)
+                with self._fetched_mu:
+                    self.segment_rereads += 1
+                time.sleep(backoff_delay(attempt))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _read_ahead(self, upcoming: Sequence[HeldKey]) -> None:
         """Start reading the ``upcoming`` segments in need order, up to ``ahead_segments``
@@ -448,6 +471,7 @@ class ShardSource:
         out: dict[str, float] = {"bytes_fetched": float(self.bytes_fetched + self.downloads.bytes),
                                  "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),
+                                 "segment_rereads": float(self.segment_rereads),
                                  "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
                                  "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0,
                                  "lock_fallbacks": 0.0}

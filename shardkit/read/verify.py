@@ -132,8 +132,9 @@ def verify_shards(store: Store, shards: Sequence[ShardInfo], rows_of: Callable[[
     Args:
         store: the dataset root.
         shards: the rows of its shards.parquet.
-        rows_of: a shard's manifest rows (asked for only when ``deep``).
-        deep: check every byte (each sample's checksums and the shard's), not only the size.
+        rows_of: a shard's manifest rows, their spans checked (:meth:`~shardkit.read.dataset.Dataset.shard_rows`).
+        deep: check every byte (each sample's checksums and the shard's), not only the size
+            and the manifest rows.
         progress: called with each shard's size once it is checked.
 
     Returns:
@@ -148,8 +149,9 @@ def verify_shards(store: Store, shards: Sequence[ShardInfo], rows_of: Callable[[
             fields |= _verify_shard(store, info, rows_of, deep)
         except IntegrityError as exc:
             failed.append(str(exc))
-        except ShardkitError as exc:  # its manifest rows are unreadable or disagree with shards.parquet
-            failed.append(f"shard {info.shard} ({info.path}): {exc}")
+        except ShardkitError as exc:  # its manifest rows are unreadable, or disagree with shards.parquet or the shard
+            text, prefix = str(exc), f"shard {info.shard} ({info.path})"
+            failed.append(text if text.startswith(prefix) else f"{prefix}: {text}")
         checked += 1
         if progress:
             progress(info.bytes)
@@ -169,9 +171,9 @@ def _verify_shard(store: Store, info: ShardInfo, rows_of: Callable[[int], ShardR
         raise IntegrityError(f"shard {info.shard} ({info.path}) is missing or unreadable: {exc}") from exc
     if size != info.bytes:
         raise IntegrityError(f"shard {info.shard} ({info.path}) is {size} bytes, manifest says {info.bytes}")
+    rows = rows_of(info.shard)  # ManifestError unless num_samples rows, each sample and field inside its bytes
     if not deep:
         return set()
-    rows = rows_of(info.shard)  # ManifestError unless it has num_samples rows
     view = memoryview(data)
     for i in range(len(rows)):
         _verify_sample(view, 0, rows, i, info.path)

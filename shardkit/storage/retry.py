@@ -14,7 +14,7 @@ from shardkit.storage.retry_counts import count_retry
 
 __all__ = [
     "RETRY_ATTEMPTS", "TIMEOUT_ATTEMPTS", "CONNECT_ATTEMPTS", "ShortRead", "is_short", "is_transient",
-    "is_timeout", "is_connect_failure", "attempts_for", "pause_before_retry", "backoff_delay", "translate",
+    "is_timeout", "is_connect_failure", "is_reset", "attempts_for", "pause_before_retry", "backoff_delay", "translate",
     "retrying",
 ]
 
@@ -96,9 +96,28 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or "Timeout" in text or "timed out" in text
 
 
+# What fails while connecting (refused, unreachable, unknown name), by class name, so that
+# neither aiohttp nor urllib3 is imported here: aiohttp's ClientConnectorError (and its DNS,
+# SSL and proxy kinds), urllib3's NewConnectionError (NameResolutionError) and socket.gaierror.
+_CONNECT_STAGE = frozenset({"ClientConnectorError", "NewConnectionError", "gaierror", "ConnectionRefusedError"})
+_NO_ROUTE = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+
+
+def _wrapped(exc: BaseException) -> BaseException | None:
+    """The transport's own error a botocore error wraps (its ``error`` argument), or None."""
+    kwargs = getattr(exc, "kwargs", None)
+    inner = kwargs.get("error") if isinstance(kwargs, dict) else None
+    return inner if isinstance(inner, BaseException) else None
+
+
 def is_connect_failure(exc: BaseException) -> bool:
     """Whether there was no connection to the store at all: refused, unreachable host, unknown
     name (botocore's EndpointConnectionError, aiohttp's ClientConnectorError for http(s):// and s3fs).
+
+    A connection that was made and then reset or closed is not one, though aiobotocore (s3fs)
+    wraps that in the same EndpointConnectionError as a refused connect: the error it wraps
+    decides (an aiohttp ClientOSError "Connection reset by peer" is a reset, retried as long as
+    any other transient fault).
 
     Args:
         exc: the fault.
@@ -106,11 +125,36 @@ def is_connect_failure(exc: BaseException) -> bool:
     Returns:
         True when no request reached the store.
     """
+    inner = _wrapped(exc)
+    if inner is not None:
+        return (bool(_CONNECT_STAGE & {c.__name__ for c in type(inner).__mro__})
+                or isinstance(inner, OSError) and inner.errno in _NO_ROUTE)
     text = f"{type(exc).__name__} {exc}"
     if any(m in text for m in ("EndpointConnectionError", "Could not connect to the endpoint",
                                "ClientConnectorError", "Cannot connect to host")):
         return True
-    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+    return isinstance(exc, OSError) and exc.errno in _NO_ROUTE
+
+
+def is_reset(exc: BaseException) -> bool:
+    """Whether a connection the store had accepted was reset or closed before the answer ended.
+
+    Args:
+        exc: the fault.
+
+    Returns:
+        True for resets, broken pipes and dropped connections (also wrapped by botocore).
+    """
+    if is_connect_failure(exc):
+        return False
+    for e in (exc, _wrapped(exc)):
+        if isinstance(e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)):
+            return True
+        if isinstance(e, OSError) and e.errno in (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
+            return True
+    text = f"{type(exc).__name__} {exc} {_wrapped(exc)!r}"
+    return any(m in text for m in ("reset by peer", "ConnectionClosedError", "ServerDisconnected",
+                                   "Connection aborted", "EndpointConnectionError"))
 
 
 def attempts_for(exc: BaseException, attempts: int = RETRY_ATTEMPTS) -> int:
@@ -191,6 +235,10 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
         return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({text})")
     if isinstance(exc, FileNotFoundError):
         return StorageError(f"{what} not found at {where}")
+    if is_reset(exc):
+        return StorageError(f"storage reset the connection for {what} at {where} "
+                            f"({type(_wrapped(exc) or exc).__name__}) on every try: "
+                            "check the store's health and load, or the network to it")
     if is_connect_failure(exc) or isinstance(exc, ConnectionError):
         return StorageError(f"cannot reach storage for {what} at {where}: {name}")
     if is_timeout(exc):
