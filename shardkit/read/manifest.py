@@ -50,13 +50,36 @@ def read_info(store: Store) -> dict[str, Any]:
     raw = store.read_bytes(DATASET_JSON)
     try:
         info = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
+        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {first_line(exc)}") from exc
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
     if info.get("version") != VERSION:
         raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
+    bad = _bad_entry(info)
+    if bad:
+        raise ManifestError(f"{store.url_of(DATASET_JSON)}: {bad}; re-pack, or restore the file the pack wrote")
     return info
+
+
+def _bad_entry(info: dict[str, Any]) -> str | None:
+    """What is wrong with the entries readers use, if anything: a manifest is never trusted,
+    and a wrong type would otherwise surface as a TypeError deep in a reader."""
+    for name in ("num_samples", "num_shards"):
+        value = info.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{name} must be a whole number >= 0, got {value!r}"
+    if "total_bytes" in info and (isinstance(info["total_bytes"], bool) or not isinstance(info["total_bytes"], int)
+                                  or info["total_bytes"] < 0):
+        return f"total_bytes must be a whole number >= 0, got {info['total_bytes']!r}"
+    fields = info.get("fields", [])
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        return f"fields must be a list of field names, got {fields!r}"[:200]
+    labels = info.get("labels")
+    if labels is not None and not (isinstance(labels, dict) and all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in labels.items())):
+        return f"labels must map class names to integers, got {labels!r}"[:200]
+    return None
 
 
 def read_shards(store: Store) -> pa.Table:
