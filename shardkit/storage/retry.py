@@ -71,7 +71,10 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)) or is_connect_failure(exc):
         return True  # a refused connection once more (a server restarting); attempts_for caps it
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EIO, errno.EBUSY):
+    # EREMOTEIO: s3fs's translation of a 5xx it got (500 InternalError), and of a response body it
+    # could not parse (a listing's XML damaged in transit): both worth another try.
+    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EIO, errno.EBUSY,
+                                                  errno.EREMOTEIO):
         return True
     if _error_code(exc) in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId",
                             "SignatureDoesNotMatch", "404", "403", "InvalidRange", "PreconditionFailed"):
@@ -79,7 +82,9 @@ def is_transient(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}"
     markers = ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500", "502", "504",
                "Timeout", "timed out", "Connection", "IncompleteRead", "ResponseStreamingError",
-               "ClientPayloadError", "ServerDisconnected", "reset by peer", "ContentLength")
+               "ClientPayloadError", "ServerDisconnected", "reset by peer", "ContentLength",
+               # botocore's response checksum caught bytes damaged in transit: read them again
+               "FlexibleChecksumError")
     return any(m in text for m in markers)
 
 

@@ -35,7 +35,7 @@ import pytest
 
 import shardkit
 from faultproxy import FaultProxy, Rule
-from shardkit.errors import DatasetExistsError, IntegrityError, StorageError, UnsafeTarError
+from shardkit.errors import UnsafeTarError
 from shardkit.packing.index import index_tars
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
@@ -207,31 +207,11 @@ READERS: dict[str, Callable[[str, dict[str, Any], Path], list[tuple[str, bytes, 
 # --------------------------------------------------------------------------- the cells
 
 # Cells that fail by a shardkit fault: (fault, path) -> (reason, the exception it raises).
-_RESETS = ("metadata retries: a connection reset on a metadata read (the dataset.json listing, shards.parquet) "
-           "counts as an unreachable endpoint (EndpointConnectionError, CONNECT_ATTEMPTS=2): two resets in a "
-           "row fail with 'cannot reach storage'")
-_500 = ("metadata retries: s3fs turns a 500 InternalError (and a response it cannot parse) into "
-        "OSError(EREMOTEIO), which storage.retry.is_transient does not recognise: one 500 on dataset.json, "
-        "shards.parquet or a listing fails at once")
-_FLIPPED_LISTING = ("metadata retries: a listing whose XML arrives with a byte flipped cannot be parsed; s3fs "
-                    "raises OSError(EREMOTEIO) 'Internal Server Error', not retried: pack fails on dataset.json")
-_DROP_CLAIM = ("idempotent commits: the response to the create-only claim PUT (_pack/plan.json) lost, its retry "
-               "finds the claim it wrote and refuses itself: DatasetExistsError 'being packed by another pack'")
-_DROP_COMMIT = ("idempotent commits: the response to the create-only dataset.json PUT lost, its retry finds the "
-                "dataset.json it wrote: DatasetExistsError 'another writer committed first'")
-_NO_CACHE_FLIP = ("no-cache re-reads: a segment with a byte flipped in transit is never read again: "
-                  "IntegrityError naming the sample though storage is fine")
 _INDEX_FLIP = ("NEW (not among the faults being fixed): index trusts one transfer of each tar: a byte flipped in "
                "transit is refused as a hostile tar (UnsafeTarError 'bad checksum') or, inside a member, "
                "committed into the manifest's checksums, so readers fail IntegrityError on good data")
 KNOWN: dict[tuple[str, str], tuple[str, Any]] = {
-    **{("reset_before", p): (_RESETS, StorageError) for p in PATHS},
-    **{("error500", p): (_500, StorageError) for p in PATHS},
-    ("flip", "pack"): (_FLIPPED_LISTING, StorageError),
-    ("flip", "stream_nocache"): (_NO_CACHE_FLIP, IntegrityError),
     ("flip", "index"): (_INDEX_FLIP, (UnsafeTarError, AssertionError)),
-    ("drop", "pack"): (_DROP_CLAIM, DatasetExistsError),
-    ("drop", "index"): (_DROP_COMMIT, DatasetExistsError),
 }
 
 

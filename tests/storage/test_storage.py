@@ -8,13 +8,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import botocore.exceptions
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from conftest import S3Server
 
 import shardkit
-from shardkit.storage import ranged, resumable, retry, urls
 from shardkit.errors import ConfigError, StorageError, StoragePermissionError
+from shardkit.storage import ranged, resumable, retry, urls
 from shardkit.storage.retry import is_transient, retrying, translate
 from shardkit.storage.store import Store
 
@@ -38,6 +39,10 @@ def no_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     OSError(errno.EIO, "io"), client_error("SlowDown", "Please reduce your request rate"),
     client_error("ServiceUnavailable"), client_error("503"), client_error("InternalError"),
     OSError("IncompleteRead(10 bytes read)"),
+    # s3fs's translation of a 500 (and of a listing whose XML it could not parse)
+    OSError(errno.EREMOTEIO, "Internal Server Error"),
+    # botocore's response checksum failed: bytes damaged in transit
+    botocore.exceptions.FlexibleChecksumError(error_msg="Expected checksum RcKAVQ== did not match calculated checksum: ZvYUQQ=="),
 ])
 def test_transient_faults_are_retried(exc: BaseException) -> None:
     assert is_transient(exc)
