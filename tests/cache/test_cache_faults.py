@@ -347,7 +347,7 @@ def test_a_stream_reads_around_a_shard_whose_download_lock_a_stopped_reader_hold
     from randomds import pack_random
     from shardkit import StreamingDataset
     from shardkit.read.dataset import Dataset
-    from shardkit.read.shard_source import cache_namespace
+    from shardkit.read.cache_refs import cache_namespace
 
     url, bodies = pack_random(tmp_path, n=40, max_body=20_000, classes=2, shard_bytes="100KB", seed=5, prefix="k")
     ds = Dataset(url)
@@ -372,7 +372,7 @@ def test_random_access_reads_around_a_shard_whose_download_lock_a_stopped_reader
     from randomds import pack_random
     from shardkit import ShardDataset
     from shardkit.read.dataset import Dataset
-    from shardkit.read.shard_source import cache_namespace
+    from shardkit.read.cache_refs import cache_namespace
 
     url, bodies = pack_random(tmp_path, n=20, max_body=20_000, classes=2, shard_bytes="100KB", seed=6, prefix="r")
     ds = Dataset(url)
