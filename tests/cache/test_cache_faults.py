@@ -10,6 +10,7 @@ allocation calls) still covers the cache's handling.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -342,51 +343,49 @@ def test_the_global_lock_of_a_stopped_process_is_bounded_too(tmp_path: Path) -> 
         stopped.kill()
 
 
-def test_a_stream_reads_around_a_shard_whose_download_lock_a_stopped_reader_holds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def shard_lock_held_by_a_stopped_reader(tmp_path: Path, n: int, seed: int, shard: int
+                                        ) -> Iterator[tuple[str, dict[str, bytes], Path]]:
+    """A dataset whose shard ``shard`` has its download lock in the node cache held by a
+    SIGSTOPped process: yields (url, expected bodies by key, cache_dir); the process is killed after."""
     from randomds import pack_random
-    from shardkit import StreamingDataset
-    from shardkit.read.dataset import Dataset
     from shardkit.read.cache_refs import cache_namespace
+    from shardkit.read.dataset import Dataset
 
-    url, bodies = pack_random(tmp_path, n=40, max_body=20_000, classes=2, shard_bytes="100KB", seed=5, prefix="k")
+    url, bodies = pack_random(tmp_path, n=n, max_body=20_000, classes=2, shard_bytes="100KB", seed=seed, prefix="k")
     ds = Dataset(url)
     cache_dir = tmp_path / "cache"
     locks = cache_dir / cache_namespace(ds) / ".locks"
     locks.mkdir(parents=True)
-    stuck = ds.shard_list[1].path
-    stopped = Stopped(str(locks / f"{file_name(stuck)}.dl"))
+    stopped = Stopped(str(locks / f"{file_name(ds.shard_list[shard].path)}.dl"))
     try:
-        monkeypatch.setenv("SHARDKIT_LOCK_WAIT", "1")
+        yield url, bodies, cache_dir
+    finally:
+        stopped.kill()
+
+
+def test_a_stream_reads_around_a_shard_whose_download_lock_a_stopped_reader_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardkit import StreamingDataset
+
+    monkeypatch.setenv("SHARDKIT_LOCK_WAIT", "1")
+    with shard_lock_held_by_a_stopped_reader(tmp_path, n=40, seed=5, shard=1) as (url, bodies, cache_dir):
         sd = StreamingDataset(url, cache_dir=cache_dir, cache_limit="1GB")
         got = bounded(lambda: {s["__key__"]: bytes(s["bin"]) for s in sd})
         assert got == bodies
         stats = sd.stats()
         assert stats["lock_fallbacks"] == 1 and stats["uncached_reads"] == 1
-    finally:
-        stopped.kill()
 
 
 def test_random_access_reads_around_a_shard_whose_download_lock_a_stopped_reader_holds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from randomds import pack_random
     from shardkit import ShardDataset
-    from shardkit.read.dataset import Dataset
-    from shardkit.read.cache_refs import cache_namespace
 
-    url, bodies = pack_random(tmp_path, n=20, max_body=20_000, classes=2, shard_bytes="100KB", seed=6, prefix="r")
-    ds = Dataset(url)
-    cache_dir = tmp_path / "cache"
-    locks = cache_dir / cache_namespace(ds) / ".locks"
-    locks.mkdir(parents=True)
-    stopped = Stopped(str(locks / f"{file_name(ds.shard_list[0].path)}.dl"))
-    try:
-        monkeypatch.setenv("SHARDKIT_LOCK_WAIT", "1")
+    monkeypatch.setenv("SHARDKIT_LOCK_WAIT", "1")
+    with shard_lock_held_by_a_stopped_reader(tmp_path, n=20, seed=6, shard=0) as (url, bodies, cache_dir):
         sd = ShardDataset(url, cache_dir=cache_dir, cache_shards=True)
         got = bounded(lambda: {s["__key__"]: bytes(s["bin"]) for s in (sd[i] for i in range(len(sd)))})
         assert got == bodies
-    finally:
-        stopped.kill()
 
 
 # ---- a read-only cache directory -----------------------------------------------------------
