@@ -20,12 +20,7 @@ from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.format.tarscan import TarMember, scan_tar, wds_split
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.sample import case_clash_reason
-from shardkit.storage.retry import (
-    attempts_for,
-    is_transient,
-    pause_before_retry,
-    translate,
-)
+from shardkit.storage.retry import retrying
 from shardkit.storage.store import Store
 
 __all__ = ["MAX_GAP", "index_tar"]
@@ -85,20 +80,16 @@ class _OnePass:
         return raw
 
     def _read_raw(self, n: int) -> bytes:
-        failures = 0
-        while True:
+        def attempt() -> bytes:
             try:
                 if self._raw is None:
                     self._raw = self._open()
                 return self._raw.read(n)
-            except Exception as exc:  # noqa: BLE001 - classified below
-                self.close()
-                failures += 1
-                budget = attempts_for(exc)
-                if failures < budget and is_transient(exc):
-                    pause_before_retry(exc, self.rel, self.store.where, failures, budget)
-                    continue
-                raise translate(exc, self.rel, self.store.where) from exc
+            except Exception:
+                self.close()  # the next try reopens at the byte reached (_open seeks there)
+                raise
+
+        return retrying(attempt, self.rel, self.store.where)
 
     def _ensure(self, n: int) -> None:
         """Make at least ``n`` unconsumed bytes available (fewer only at end of file)."""
