@@ -9,23 +9,29 @@ are counted, and lie inside a sample's byte range when they sit between its memb
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator
 
 import xxhash
 
-from shardkit.errors import SourceError, UnsafeTarError
+from shardkit.errors import IntegrityError, SourceError, UnsafeTarError
 from shardkit.format.checksums import SampleHasher
 from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.format.tarscan import TarMember, scan_tar, wds_split
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.sample import case_clash_reason
+from shardkit.storage.etag import EtagCheck
 from shardkit.storage.retry import retrying
 from shardkit.storage.store import Store
 
 __all__ = ["MAX_GAP", "index_tar"]
 
+log = logging.getLogger(__name__)
+
 _READ_CHUNK = 8 * 2**20
+_MAX_READS = 3  # of one tar whose bytes the ETag does not confirm
 # Bytes between two members that may still belong to one sample (headers of directories,
 # pax records): more than this is not a WebDataset tar.
 MAX_GAP = 16 * 2**20
@@ -41,8 +47,10 @@ class _OnePass:
     :meth:`member` as they are found, which decides which sample the bytes belong to.
     """
 
-    def __init__(self, store: Store, rel: str, size: int, chunk: int = _READ_CHUNK) -> None:
+    def __init__(self, store: Store, rel: str, size: int, chunk: int = _READ_CHUNK,
+                 check: EtagCheck | None = None) -> None:
         self.store = store
+        self.check = check
         self.rel = rel
         self.size = size
         self.chunk = chunk
@@ -103,6 +111,8 @@ class _OnePass:
                 raise SourceError(f"{self.store.url_of(self.rel)}: tar shrank while reading "
                                   f"({self._loaded} of {self.size} bytes)")
             self.file_hash.update(data)
+            if self.check is not None:
+                self.check.update(data)
             self._loaded += len(data)
             parts.append(data)
             have += len(data)
@@ -272,10 +282,89 @@ def _is_utf8(name: str) -> bool:
     return True
 
 
+@dataclass
+class _Scan:
+    """What one read of a tar found, kept apart until the read is trusted."""
+
+    rows: SampleRows
+    keys: list[str]
+    fields: set[str]
+    record: ShardRecord
+    skipped: int
+    first_skipped: str | None
+
+
+def _scan_once(store: Store, rel: str, size: int, shard: int, check: EtagCheck | None) -> _Scan:
+    """One sequential read of the tar: its rows, keys, fields and record."""
+    url = store.url_of(rel)
+    reader = _OnePass(store, rel, size, check=check)
+    rows = SampleRows()
+    keys: list[str] = []
+    fields: set[str] = set()
+    groups: list[list[tuple[TarMember, str]]] = []
+    try:
+        scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
+        for key, members in _samples(scan, reader):
+            spans = _fields(url, key, members)
+            keys.append(key)
+            fields.update(s["name"] for s in spans)
+            groups.append(members)
+            rows.key.append(key)
+            rows.shard.append(shard)
+            rows.offset.append(members[0][0].offset_header)
+            rows.size.append(members[-1][0].end - members[0][0].offset_header)
+            rows.fields.append(spans)
+            rows.meta.append({})
+        checksum = reader.finish()
+    finally:
+        reader.close()
+    rows.checksum.extend(reader.digests[m[0][0].offset_header] for m in groups)
+    rows.blocks.extend(reader.blocks[m[0][0].offset_header] for m in groups)
+    return _Scan(rows, keys, fields, ShardRecord(shard, rel, len(groups), size, checksum),
+                 reader.skipped, reader.first_skipped)
+
+
+def _trusted_scan(store: Store, rel: str, shard: int) -> _Scan:
+    """A read of the tar whose bytes are the object's: checked against the ETag where the
+    store gives one (:mod:`shardkit.storage.etag`), else, after a mismatch, two reads that
+    agree (an ETag that is no MD5 of the bytes: KMS encryption, another store's scheme). A
+    malformed tar is refused only when a second read finds it the same: a byte flipped in
+    transit can break a header as well as a body."""
+    url = store.url_of(rel)
+    info = store.info(rel)
+    size = int(info["size"])
+    etag = info.get("ETag") or info.get("etag")
+    remote = store.is_object_store
+    seen: list[str] = []  # file digests of reads the ETag did not confirm
+    faults: list[str] = []  # errors of reads that found the tar malformed
+    for _ in range(_MAX_READS):
+        check = EtagCheck(etag, size) if remote else None
+        try:
+            got = _scan_once(store, rel, size, shard, check)
+        except (UnsafeTarError, SourceError) as exc:
+            if not remote or str(exc) in faults:
+                raise  # the same fault on two reads: the tar's, not the transfer's
+            faults.append(str(exc))
+            log.warning("%s; reading it again in case a byte was corrupted in transit", exc)
+            continue
+        verdict = check.verdict() if check is not None else None
+        if verdict is not False or got.record.checksum in seen:
+            return got  # the ETag agrees, cannot tell (a local file), or two reads agree
+        seen.append(got.record.checksum)
+        log.warning("%s: the bytes read do not match its ETag %s; reading it again", url, etag)
+    raise IntegrityError(f"{url}: {_MAX_READS} reads of it gave different bytes or faults ({'; '.join(faults[:2])}); "
+                         f"the network or the store corrupts data: check it, then rerun the index")
+
+
 def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLedger, fields: set[str],
               progress: Callable[[int, int], None] | None = None,
               skipped: list[tuple[str, int, str]] | None = None) -> ShardRecord:
     """Scan one tar in one sequential read and append its sample rows to ``rows``.
+
+    On an object store the read is checked against the object's ETag and read again when
+    it disagrees (see :func:`_trusted_scan`), so a byte corrupted in transit is never
+    recorded as the tar's checksum; nothing is added to ``rows``, ``keys`` or ``fields``
+    until a read is trusted.
 
     Args:
         store: the dataset root.
@@ -284,7 +373,7 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
         rows: gets one row per sample, in tar order.
         keys: gets each sample's key (repeats are checked once every tar is read).
         fields: gets the field names the samples have.
-        progress: called with (samples, 0) per sample and (0, bytes) once the tar is read.
+        progress: called with (samples, bytes) once the tar is read.
         skipped: gets ``(rel, count, first name)`` if the tar holds members webdataset skips.
 
     Returns:
@@ -294,37 +383,16 @@ def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLed
         UnsafeTarError: a hostile or malformed member, or too many bytes between members.
         SourceError: a bad field name, a field repeated in a sample, or a tar that changed
             while being read.
+        IntegrityError: reads kept giving different bytes (a store or network that corrupts).
         StorageError: reading failed past its retries.
     """
-    url = store.url_of(rel)
-    size = store.size(rel)
-    reader = _OnePass(store, rel, size)
-    groups: list[tuple[str, list[tuple[TarMember, str]]]] = []
-    first = len(rows)
-    try:
-        scan = scan_tar(reader, name=url, file_size=size)  # type: ignore[arg-type]  # duck-typed file
-        for key, members in _samples(scan, reader):
-            spans = _fields(url, key, members)
-            keys.add(key, shard)
-            fields.update(s["name"] for s in spans)
-            groups.append((key, members))
-            rows.key.append(key)
-            rows.shard.append(shard)
-            rows.offset.append(members[0][0].offset_header)
-            rows.size.append(members[-1][0].end - members[0][0].offset_header)
-            rows.fields.append(spans)
-            rows.meta.append({})
-            if progress is not None:
-                progress(1, 0)
-        checksum = reader.finish()
-    finally:
-        reader.close()
-    rows.checksum.extend(reader.digests[m[0][0].offset_header] for _, m in groups)
-    rows.blocks.extend(reader.blocks[m[0][0].offset_header] for _, m in groups)
-    if len(rows.checksum) != len(rows.key) or len(rows) - first != len(groups):
-        raise AssertionError("index bookkeeping out of step")  # pragma: no cover
+    got = _trusted_scan(store, rel, shard)
+    for key in got.keys:
+        keys.add(key, shard)
+    fields.update(got.fields)
+    rows.extend(got.rows)
     if progress is not None:
-        progress(0, size)
-    if reader.first_skipped is not None and skipped is not None:
-        skipped.append((rel, reader.skipped, reader.first_skipped))
-    return ShardRecord(shard, rel, len(groups), size, checksum)
+        progress(len(got.keys), got.record.bytes)
+    if got.first_skipped is not None and skipped is not None:
+        skipped.append((rel, got.skipped, got.first_skipped))
+    return got.record

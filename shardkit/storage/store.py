@@ -197,6 +197,20 @@ class Store:
             return True
         return self.call(check, rel or self.url)
 
+    def info(self, rel: str) -> dict[str, Any]:
+        """What the store says about an object (fsspec's ``info``: ``size``, and on S3 ``ETag``).
+
+        Args:
+            rel: the object, relative to the root.
+
+        Returns:
+            Its details.
+
+        Raises:
+            StorageError: it is missing, or the store failed.
+        """
+        return dict(self.call(lambda: self.fs.info(self.path(rel)), rel))
+
     def size(self, rel: str) -> int:
         """The size of an object.
 

@@ -35,7 +35,6 @@ import pytest
 
 import shardkit
 from faultproxy import FaultProxy, Rule
-from shardkit.errors import UnsafeTarError
 from shardkit.packing.index import index_tars
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
@@ -207,12 +206,7 @@ READERS: dict[str, Callable[[str, dict[str, Any], Path], list[tuple[str, bytes, 
 # --------------------------------------------------------------------------- the cells
 
 # Cells that fail by a shardkit fault: (fault, path) -> (reason, the exception it raises).
-_INDEX_FLIP = ("NEW (not among the faults being fixed): index trusts one transfer of each tar: a byte flipped in "
-               "transit is refused as a hostile tar (UnsafeTarError 'bad checksum') or, inside a member, "
-               "committed into the manifest's checksums, so readers fail IntegrityError on good data")
-KNOWN: dict[tuple[str, str], tuple[str, Any]] = {
-    ("flip", "index"): (_INDEX_FLIP, (UnsafeTarError, AssertionError)),
-}
+KNOWN: dict[tuple[str, str], tuple[str, Any]] = {}
 
 
 def _cells() -> list[Any]:

@@ -446,3 +446,36 @@ def test_members_webdataset_skips_or_reads_are_indexed_as_it_reads_them(tmp_path
         assert row["checksum"] == xxhash.xxh3_64_intdigest(data[row["offset"]:row["offset"] + row["size"]])
     first = ds.samples.to_pylist()[0]
     assert b"apple" * 3000 in data[first["offset"]:first["offset"] + first["size"]]  # spanned, not a field
+
+
+@pytest.mark.s3
+def test_a_tar_whose_etag_cannot_confirm_its_bytes_is_read_again_and_two_equal_reads_are_trusted(
+        s3_bucket: str, s3_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # Uploaded in 6 MiB parts, a part size no uploader's default has: the 5 MiB candidate fits
+    # its 3 parts, so the ETag check says "no match" for good bytes. The index must read the
+    # tar again and accept two reads that agree: neither refuse a good tar nor loop.
+    # (Bytes flipped in transit: tests/faults/test_matrix.py, cell flip-index.)
+    from shardkit.storage.etag import EtagCheck
+    from shardkit.storage.store import Store
+
+    mib = 2**20
+    data = _tarfile_bytes([(f"s{i:02d}.bin", bytes([i]) * mib) for i in range(13)], fmt=tarfile.USTAR_FORMAT)
+    url = f"{s3_bucket}/odd-parts"
+    opts = s3_server.storage_options()
+    store = Store(url, opts)
+    client = store.boto3_client()
+    bucket, prefix = store.bucket_key("a.tar")
+    up = client.create_multipart_upload(Bucket=bucket, Key=prefix)
+    parts = []
+    for n, lo in enumerate(range(0, len(data), 6 * mib), start=1):
+        r = client.upload_part(Bucket=bucket, Key=prefix, UploadId=up["UploadId"], PartNumber=n,
+                               Body=data[lo:lo + 6 * mib])
+        parts.append({"PartNumber": n, "ETag": r["ETag"]})
+    client.complete_multipart_upload(Bucket=bucket, Key=prefix, UploadId=up["UploadId"],
+                                     MultipartUpload={"Parts": parts})
+    info = store.info("a.tar")
+    assert EtagCheck(info["ETag"], info["size"]).checkable
+    with caplog.at_level("WARNING", logger="shardkit.packing.index_scan"):
+        index_tars(url, storage_options=opts, progress=False)
+    assert sum("do not match its ETag" in r.getMessage() for r in caplog.records) == 1
+    _check(url, {"a.tar": data}, opts)
