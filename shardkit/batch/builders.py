@@ -52,7 +52,8 @@ class BatchBuilder:
         chunk: samples per DataLoader batch, for the unpin points of single samples.
         decode: the stream's ``decode`` option (``None``: raw bytes).
         tight: unpin at every batch end (a cache too small for every reader to keep a shard).
-        tick: called with the sample count after each yielded batch (or run of samples).
+        tick: called with the sample count and the bytes of their fields after each yielded
+            batch (or run of samples).
         ring: the shared ring raw batches go into in a DataLoader worker, if any.
         worker: this reader's DataLoader worker id (its ring slots).
         in_worker: this reader runs in a DataLoader worker (the ring is used only there).
@@ -61,7 +62,7 @@ class BatchBuilder:
 
     def __init__(self, ds: Dataset, source: ShardSource, runs: Lookahead, *, batch_size: int | None,
                  drop_last: bool, chunk: int, decode: str | Decoder | None, tight: bool,
-                 tick: Callable[[int], None], ring: BatchRing | None, worker: int, in_worker: bool,
+                 tick: Callable[[int, int], None], ring: BatchRing | None, worker: int, in_worker: bool,
                  buffers: BufferPool) -> None:
         self.ds, self.source, self.runs = ds, source, runs
         self.batch_size, self.drop_last, self.chunk = batch_size, drop_last, chunk
@@ -105,7 +106,7 @@ class BatchBuilder:
                         source.release_all()
                     yield sample
                 i = stop
-            self.tick(len(positions))
+            self.tick(len(positions), rows.payload_bytes(positions))
 
     def decoded_batches(self) -> Iterator[dict[str, Any]]:
         """Batches of decoded samples (``decode`` set), collated in this process.
@@ -120,7 +121,7 @@ class BatchBuilder:
             if last or self.tight:  # decoded and collated: copies, nothing refers to the shards
                 source.release_all()
             yield batch
-            self.tick(n)
+            self.tick(n, self._served(pieces))
 
     def raw_batches(self) -> Iterator[dict[str, Any] | RingBatch]:
         """Raw batches built with numpy from the manifest offsets: one copy of the bytes.
@@ -135,7 +136,7 @@ class BatchBuilder:
             if self.tight or last:  # the worker may now wait on the DataLoader / nothing more is read
                 source.release_all()
             yield built
-            self.tick(n)
+            self.tick(n, self._served(pieces))
 
     def view_batches(self) -> Iterator[dict[str, Any]]:
         """Zero-copy batches (``zero_copy=True``): per field, a list of views into the maps.
@@ -158,7 +159,7 @@ class BatchBuilder:
                     # a published file (a new copy arrives under a new inode by rename).
                     source.release_all()
                 yield batch
-                self.tick(n)
+                self.tick(n, self._served(pieces))
         finally:
             warm.close()
 
@@ -177,10 +178,10 @@ class BatchBuilder:
         """
         source = self.source
         first_sample = self.ds.first_samples
-        pending: deque[tuple[Future[None], BatchPlan, list[np.ndarray], list[MemberCopy], int]] = deque()
+        pending: deque[tuple[Future[None], BatchPlan, list[np.ndarray], list[MemberCopy], int, int]] = deque()
 
         def finish() -> dict[str, Any]:
-            fut, plan, outs, copies, _ = pending[0]
+            fut, plan, outs, copies, _, _ = pending[0]
             t0 = time.perf_counter()
             try:
                 fut.result()
@@ -192,12 +193,12 @@ class BatchBuilder:
 
         def drain(count: int | None = None, final: bool = False) -> Iterator[dict[str, Any]]:
             while pending and (count is None or count > 0):
-                n = pending[0][4]
+                n, nbytes = pending[0][4], pending[0][5]
                 batch = finish()
                 if final and not pending:  # the last batch, copied: nothing more is read
                     source.release_all()
                 yield batch
-                self.tick(n)
+                self.tick(n, nbytes)
                 count = None if count is None else count - 1
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-fill")
@@ -210,11 +211,11 @@ class BatchBuilder:
                     if last:
                         source.release_all()
                     yield batch
-                    self.tick(n)
+                    self.tick(n, self._served(pieces))
                     continue
                 copies = list(prepare(source, plan, Later(pieces, 0, carry, self.runs)))
                 outs = [self.buffers.take(nbytes) for nbytes in field_bytes(plan)]
-                pending.append((pool.submit(copy_into, copies, outs), plan, outs, copies, n))
+                pending.append((pool.submit(copy_into, copies, outs), plan, outs, copies, n, self._served(pieces)))
                 del outs  # the pool sees a buffer as free once only the batch refers to it
                 if len(pending) > 2 * threads:
                     yield from drain(1)
@@ -223,11 +224,15 @@ class BatchBuilder:
             for fut, *_ in pending:
                 fut.cancel()
             pool.shutdown(wait=True)  # no copy may still read a file the source closes next
-            for _, _, _, copies, _ in pending:
+            for _, _, _, copies, _, _ in pending:
                 done(source, copies)
             pending.clear()
 
     # ---- cutting and building ---------------------------------------------------------------
+
+    def _served(self, pieces: list[Run]) -> int:
+        """The bytes of the fields of a batch's samples (the ``bytes_served`` counter)."""
+        return sum(self.source.rows(shard).payload_bytes(p) for shard, p in pieces)
 
     def _batch_pieces(self) -> Iterator[Pieces]:
         """Cut the run stream into batches: (pieces, the rest of the last run, samples, whether

@@ -17,6 +17,7 @@ and at the end of each epoch.
 Series (counters are ``*_total``; labels ``dataset``, ``rank``, ``worker``):
 
 - ``shardkit_samples_total``: samples yielded to the training loop;
+- ``shardkit_served_bytes_total``: the bytes of those samples' fields;
 - ``shardkit_fetched_bytes_total``: bytes read from storage (cache downloads, and reads around
   or without the cache);
 - ``shardkit_cache_hits_total``, ``shardkit_cache_misses_total``, ``shardkit_cache_evictions_total``,
@@ -64,6 +65,7 @@ MARKER = "metrics.json"
 #: Counter of ``stats()`` -> (metric family, help). Storage retries are one family by kind.
 METRICS: dict[str, tuple[str, str]] = {
     "samples": ("shardkit_samples", "Samples yielded to the training loop"),
+    "bytes_served": ("shardkit_served_bytes", "Bytes of the fields of the samples yielded to the training loop"),
     "bytes_fetched": ("shardkit_fetched_bytes", "Bytes read from storage (cache downloads, reads around or without the cache)"),
     "hits": ("shardkit_cache_hits", "Foreground cache opens that found the shard cached"),
     "misses": ("shardkit_cache_misses", "Foreground cache opens that downloaded the shard"),

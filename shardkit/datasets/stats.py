@@ -27,7 +27,7 @@ SNAPSHOT_EVERY = 1.0  # seconds between snapshots while iterating
 #: Storage retries by kind (:mod:`shardkit.storage.retry_counts`), as counters of the stream.
 RETRY_COUNTS = tuple(f"retries_{kind}" for kind in RETRY_KINDS)
 #: The counters reported as integers; ``wait_seconds`` and ``cache_wait_seconds`` are seconds.
-COUNTS = ("bytes_fetched", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "evictions",
+COUNTS = ("bytes_fetched", "bytes_served", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "evictions",
           "corrupt_refetches", "direct_reads", "uncached_reads", "samples", "retries") + RETRY_COUNTS
 
 _SNAPSHOT = re.compile(r"stats-r(\d+)w(\d+)p(\d+)\.json$")
@@ -49,6 +49,7 @@ class StreamStats:
         self.acc: dict[str, float] = {}
         self.pid = os.getpid()
         self.samples = 0  # samples yielded since the last final snapshot
+        self.served = 0  # the bytes of their fields
         self.next_at = 0.0
         self.retries_at: dict[str, int] = {}  # this process's retry counts when the epoch began
 
@@ -59,16 +60,18 @@ class StreamStats:
         self.retries_at = retry_counts()
         self.next_at = time.monotonic() + SNAPSHOT_EVERY
 
-    def count(self, samples: int) -> bool:
+    def count(self, samples: int, nbytes: int = 0) -> bool:
         """Count ``samples`` more yielded.
 
         Args:
             samples: samples just yielded.
+            nbytes: the bytes of their fields.
 
         Returns:
             Whether a snapshot is due (the next one is then a second away).
         """
         self.samples += samples
+        self.served += nbytes
         if time.monotonic() < self.next_at:
             return False
         self.next_at = time.monotonic() + SNAPSHOT_EVERY
@@ -91,12 +94,13 @@ class StreamStats:
         """
         now = source.stats()
         now["samples"] = float(self.samples)
+        now["bytes_served"] = float(self.served)
         now.update(self._retries())
         total = {k: self.acc.get(k, 0.0) + v for k, v in now.items()}
         for k, v in self.acc.items():
             total.setdefault(k, v)
         if final:
-            self.acc, self.samples = total, 0
+            self.acc, self.samples, self.served = total, 0, 0
             self.retries_at = retry_counts()
         name = f"stats-r{topo.rank}w{topo.worker}p{os.getpid()}.json"
         path = os.path.join(self.directory, name)

@@ -356,8 +356,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.close()  # first: it waits for a prefetch in flight, which the final stats count
             self._stats.save(source, topo, final=True)
 
-    def _tick(self, source: ShardSource, samples: int) -> None:
-        if self._stats.count(samples) and self._live is not None:
+    def _tick(self, source: ShardSource, samples: int, nbytes: int) -> None:
+        if self._stats.count(samples, nbytes) and self._live is not None:
             self._stats.save(source, self._live[1], final=False)
 
     # ---- statistics -----------------------------------------------------------------------
@@ -376,7 +376,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             ``evictions``, ``corrupt_refetches``, ``direct_reads`` (ranged reads without
             cache), ``uncached_reads`` (shards read from storage into memory because pins of
             other readers on the node held the cache's room for ``SHARDKIT_ROOM_WAIT``
-            seconds, default 5: cache_limit is too small), ``samples``, ``wait_seconds``
+            seconds, default 5: cache_limit is too small), ``samples`` and ``bytes_served``
+            (samples yielded to the training loop and the bytes of their fields), ``wait_seconds``
             (time blocked on data), ``cache_wait_seconds`` (time the cache waited for another
             process's download of a shard, or for room, in the foreground or in prefetch
             threads), ``retries`` and ``retries_<kind>`` (storage calls retried while reading,

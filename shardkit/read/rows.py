@@ -160,6 +160,24 @@ class ShardRows:
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         return [names[c] for c in codes[lo:hi].tolist()], offs[lo:hi], sizes[lo:hi]
 
+    @functools.cached_property
+    def _payload(self) -> np.ndarray:
+        """Per sample, the bytes of its field bodies (what a reader hands to the training loop)."""
+        bounds, _, _, _, sizes = self._fields
+        ends = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        return ends[bounds[1:]] - ends[bounds[:-1]]
+
+    def payload_bytes(self, positions: np.ndarray) -> int:
+        """The bytes of the field bodies of these samples.
+
+        Args:
+            positions: sample positions in the shard.
+
+        Returns:
+            Their sum.
+        """
+        return int(self._payload[positions].sum())
+
     def spans(self, positions: np.ndarray) -> tuple[list[str], list[Sequence[str]], list[list[int]], list[list[int]]]:
         """The spans of the samples at ``positions``, as Python lists made in one go: a reader
         going through a shard's samples pays a few numpy calls per run of samples, not per
