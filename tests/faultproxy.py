@@ -73,6 +73,9 @@ class Rule:
         limit: the most faults this rule injects (None: no bound).
         stall_seconds: how long ``stall`` holds a response.
         keep: the fraction of the body ``reset_mid`` and ``truncate`` send before cutting.
+        at: for ``flip``, the object offset of the byte to flip (the request's range decides
+            where its body starts); a response whose body does not hold it passes unharmed
+            and does not count against ``limit``. None: a random byte of the body.
     """
 
     fault: str
@@ -84,6 +87,7 @@ class Rule:
     limit: int | None = None
     stall_seconds: float = 3.0
     keep: float = 0.5
+    at: int | None = None
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -149,6 +153,12 @@ class _Response:
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+def _body_start(request: _Request) -> int:
+    """The object offset a GET's body starts at (its ``Range: bytes=N-``; 0 without one)."""
+    match = re.match(r"bytes=(\d+)-", request.header("range") or "")
+    return int(match.group(1)) if match else 0
+
+
 def _parse_headers(lines: list[bytes]) -> list[tuple[str, str]]:
     out = []
     for line in lines:
@@ -201,6 +211,7 @@ class FaultProxy:
         self.seed = seed
         self.rules: list[Rule] = list(rules)
         self.injected: list[tuple[str, str, str]] = []
+        self.requests: list[tuple[str, str]] = []  # (method, target) of every request, in order
         self._counts: Counter[str] = Counter()
         self._mu = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -334,6 +345,7 @@ class FaultProxy:
         path = target.split("?", 1)[0]
         with self._mu:
             self._counts["requests"] += 1
+            self.requests.append((method, target))
             for index, rule in enumerate(self.rules):
                 if not rule.matches(method, target):
                     continue
@@ -491,7 +503,15 @@ class FaultProxy:
             await writer.drain()
             return False
         if fault == "flip":
-            at = rng.randrange(len(body))
+            at = rng.randrange(len(body)) if rule.at is None else rule.at - _body_start(request)
+            if not 0 <= at < len(body):  # not the byte asked for: passed through, not counted
+                with self._mu:
+                    rule.fired -= 1
+                    self._counts[fault] -= 1
+                    self.injected.pop()
+                writer.write(response.head(close=close) + body)
+                await writer.drain()
+                return False
             flipped = bytearray(body)
             flipped[at] ^= 0xFF
             writer.write(response.head(close=close) + bytes(flipped))
