@@ -79,7 +79,7 @@ def build_key_index(ds: Dataset) -> KeyIndex:
     index: list[np.ndarray] = []
     for name, infos in by_file.items():
         groups = [s.samples_row_group for s in infos]
-        table = parquet_file(store.read_bytes(name)).read_row_groups(groups, columns=["key"], use_threads=False)
+        table = parquet_file(store.read_checked(name)).read_row_groups(groups, columns=["key"], use_threads=False)
         if table.num_rows != sum(s.num_samples for s in infos):
             raise ManifestError(f"{ds.url}: {name} holds {table.num_rows} keys, shards.parquet says "
                                 f"{sum(s.num_samples for s in infos)}")

@@ -217,7 +217,7 @@ def _refuse_repeated_keys(store: Store, keys: KeyLedger, records: list[ShardReco
     def keys_of(shard: int) -> list[str]:
         name = files[shard]
         if name not in fragments:
-            fragments[name] = parquet_file(store.read_bytes(name), store.url_of(name))
+            fragments[name] = parquet_file(store.read_checked(name), store.url_of(name))
         return fragments[name].read_row_group(groups[shard], columns=["key"], use_threads=False).column(0).to_pylist()
 
     for a, b in keys.suspects():

@@ -205,7 +205,7 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
     try:
         if not store.exists(frag):
             return None
-        md = parquet_file(store.read_bytes(frag)).metadata
+        md = parquet_file(store.read_checked(frag)).metadata
         raw = (md.metadata or {}).get(TASK_META.encode())
     except Exception:  # noqa: BLE001 - an unreadable fragment is simply redone
         log.debug("fragment %s unreadable, redoing task", frag, exc_info=True)

@@ -193,7 +193,7 @@ class Dataset:
         if held is None and self.manifest_cache:
             held = open_copy(self._local_path(name), name)
         if held is None:
-            data = self.store.read_bytes(name)
+            data = self.store.read_checked(name)
             held = (parquet_file(data, self.store.url_of(name)), len(data))
             check_same_pack(held[0], self.store.url_of(name), self.url, self.shard_list)
             if self.manifest_cache:
@@ -307,7 +307,7 @@ class Dataset:
         """All sample rows (loaded on first access: only for tools, not for every rank)."""
         if self._samples is None:
             files = sorted({s.samples_file for s in self.shard_list if s.samples_file}) or self.store.glob("manifest/samples-*.parquet")
-            tables = [parquet_file(self.store.read_bytes(f), self.store.url_of(f)).read(use_threads=False) for f in files]
+            tables = [parquet_file(self.store.read_checked(f), self.store.url_of(f)).read(use_threads=False) for f in files]
             self._samples = pa.concat_tables(tables, promote_options="default") if tables else self._empty_rows()
         return self._samples
 

@@ -47,7 +47,7 @@ def read_info(store: Store) -> dict[str, Any]:
                                            f"at {store.where}")
         hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
         raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
-    raw = store.read_bytes(DATASET_JSON)
+    raw = store.read_checked(DATASET_JSON)
     try:
         info = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
@@ -94,7 +94,7 @@ def read_shards(store: Store) -> pa.Table:
     Raises:
         ManifestError: it is unreadable or lacks a v1 column.
     """
-    data = store.read_bytes(SHARDS_PARQUET)
+    data = store.read_checked(SHARDS_PARQUET)
     try:
         table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
     except (pa.ArrowException, OSError) as exc:

@@ -10,13 +10,16 @@ translated into a :mod:`shardkit.errors` class whose message names the object, n
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
 import fsspec
+import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError
+from shardkit.storage.etag import EtagCheck
 from shardkit.storage.filesystem import create_local, open_fs, reopen_fs
 from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import retrying, translate
@@ -27,6 +30,10 @@ from shardkit.storage.urls import refuse_url_credentials
 __all__ = ["Store"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+_CHECKED_READS = 3  # of an object whose ETag does not confirm the bytes read
 
 
 
@@ -238,6 +245,42 @@ class Store:
             StorageError: it is missing, or the store failed.
         """
         return self.call(lambda: self.fs.cat_file(self.path(rel)), rel)
+
+    def read_checked(self, rel: str) -> bytes:
+        """The whole of a small object (a manifest file), its bytes checked against the
+        object's ETag on an object store (:mod:`shardkit.storage.etag`): a byte corrupted in
+        transit would otherwise become a wrong key, offset or checksum in every reader. On a
+        mismatch it is read again; where the ETag cannot tell (no MD5 of the bytes: KMS
+        encryption, another store's scheme), two reads that agree are trusted.
+
+        Args:
+            rel: the object, relative to the root.
+
+        Returns:
+            Its bytes.
+
+        Raises:
+            StorageError: it is missing, or the store failed.
+            IntegrityError: every read gave other bytes, none matching the ETag.
+        """
+        if not self.is_object_store:
+            return self.read_bytes(rel)
+        seen: list[str] = []
+        for _ in range(_CHECKED_READS):
+            info = self.info(rel)
+            data = self.read_bytes(rel)
+            check = EtagCheck(info.get("ETag") or info.get("etag"), int(info.get("size", -1)))
+            check.update(data)
+            if check.verdict() is not False:
+                return data
+            digest = xxhash.xxh3_128_hexdigest(data)
+            if digest in seen:
+                return data  # the same bytes twice: the ETag is no MD5 of them
+            seen.append(digest)
+            self.fs.invalidate_cache(self.path(rel))  # a listing's ETag may predate an overwrite
+            log.warning("%s: the bytes read do not match its ETag; reading it again", self.url_of(rel))
+        raise IntegrityError(f"{self.url_of(rel)}: {_CHECKED_READS} reads gave different bytes, none matching its "
+                             f"ETag; the network or the store corrupts data")
 
     def check_extent(self, rel: str, end: int) -> None:
         """After a short read: tell a truncated object from a dropped connection.

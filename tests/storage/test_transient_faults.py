@@ -13,11 +13,15 @@ The proxy is the fault matrix's (``tests/faultproxy.py``).
 from __future__ import annotations
 
 import socket
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
 
+import boto3
 import numpy as np
 import pytest
+from botocore.config import Config
 from botocore.exceptions import EndpointConnectionError
 from conftest import S3Server
 from faultproxy import FaultProxy, Rule
@@ -26,6 +30,7 @@ import shardkit
 from shardkit import StreamingDataset
 from shardkit.errors import IntegrityError, StorageError
 from shardkit.storage import retry
+from shardkit.storage.store import Store
 from shardkit.storage.retry import attempts_for, is_connect_failure, is_transient, translate
 
 pytestmark = pytest.mark.s3
@@ -189,3 +194,39 @@ def test_a_refused_connection_still_fails_fast(s3_server: S3Server, packed: Any,
     with pytest.raises(StorageError, match="cannot reach storage"):
         shardkit.open_dataset(url, opts)
     assert len(count_retries) == retry.CONNECT_ATTEMPTS - 1
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def test_manifest_files_flipped_in_transit_are_read_again(s3_server: S3Server, s3_bucket: str,
+                                                          proxies: list[FaultProxy], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first GET of dataset.json, shards.parquet and every samples fragment gets one byte
+    # flipped. Their copies here were uploaded without a stored checksum (as older SDKs and
+    # many tools upload), so the client cannot catch the flip on its own: checked against
+    # their ETags, each is read again, and the stream is exact.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # no node-local manifest copies of other tests
+    opts = s3_server.storage_options()
+    url = f"{s3_bucket}/plain"
+    rng = np.random.default_rng(8)
+    content = {f"m{i:03d}": rng.bytes(int(rng.integers(200, 2000))) for i in range(40)}
+    shardkit.pack(iter([{"__key__": k, "bin": v} for k, v in content.items()]), url, shard_bytes="16KB",
+                  storage_options=opts, progress=False)
+    store = Store(url, opts)
+    plain = boto3.client("s3", endpoint_url=s3_server.endpoint, aws_access_key_id=s3_server.key,
+                         aws_secret_access_key=s3_server.secret, region_name="us-east-1",
+                         config=Config(request_checksum_calculation="when_required"))
+    bucket, prefix = store.bucket_key("")
+    manifest = ["dataset.json", *("manifest/" + p.rsplit("/manifest/", 1)[1] for p in store.fs.find(store.path("manifest")))]
+    for rel in manifest:
+        plain.put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=store.read_bytes(rel))
+        head = plain.head_object(Bucket=bucket, Key=f"{prefix}/{rel}", ChecksumMode="ENABLED")
+        assert not any("checksum" in h for h in head["ResponseMetadata"]["HTTPHeaders"]), rel
+    proxy = FaultProxy(s3_server.endpoint, [Rule("flip", methods=("GET",), path=r"/(dataset\.json|manifest/)",
+                                                 per_path=True, nth=(1,))]).start()
+    proxies.append(proxy)
+    sd = StreamingDataset(url, storage_options=proxy.storage_options(s3_server))
+    assert {s["__key__"]: bytes(s["bin"]) for s in sd} == content
+    flipped = {target.split("?")[0].rsplit("/", 1)[1] for fault, _, target in proxy.injected if fault == "flip"}
+    assert {"dataset.json", "shards.parquet"} < flipped and any(n.startswith("samples-") for n in flipped)
