@@ -1,0 +1,464 @@
+"""The epoch sequence of a mixture of datasets, ``M``: a pure function of (per-stream shard sizes,
+per-stream counts, epoch, seed), the same in every rank and DataLoader worker.
+
+**What an epoch is.** Stream ``i`` (``n_i`` samples) contributes ``c_i`` samples per epoch and the
+epoch is their sum, ``C = sum c_i``. :func:`mixture_counts` turns the options into counts, as
+MosaicML Streaming's ``proportion``/``repeat``/``choose`` do (each stream sets at most one):
+
+* ``weight`` (relative): either every stream has one or none does. The epoch has
+  ``epoch_size`` samples (default ``sum n_i``) and stream ``i`` gets ``epoch_size * w_i / sum w``
+  rounded by largest remainder, so each count is within one sample of its exact share and the
+  counts add up to ``epoch_size``;
+* ``repeat`` (absolute): ``round(repeat * n_i)`` samples: ``floor`` whole copies of the stream and
+  a seeded subset for the fraction, so each sample appears ``floor(repeat)`` or
+  ``ceil(repeat)`` times (``repeat`` below 1 subsamples);
+* ``choose`` (absolute): exactly ``choose`` samples, built the same way (copies + a subset);
+* none of them: ``repeat=1``. ``epoch_size`` with absolute streams scales their counts to it.
+
+**The sequence.** Stream ``i``'s own sequence ``S_i`` (length ``c_i``) is the concatenation of
+copies of its :class:`~shardkit.read.epoch_order.EpochOrder` (copy ``q`` seeded from
+``(seed, stream, q)``), the last one cut short: with ``shuffle``, a cut copy is a seeded subset of
+whole shuffle blocks (random shards), so a reader of a stream still needs one block's shards at
+a time; without it, the first samples. ``M`` merges the ``S_i`` at a fine grain: item ``k`` of
+stream ``i`` sits at key ``(k + u_i) / c_i`` (``u_i`` a phase in ``[0, 1)`` seeded from
+``(seed, epoch)``) and ``M`` is all items by key, so every prefix of ``M`` holds each stream's
+share within about one sample. Positions of ``M`` are split over ranks and workers exactly as
+the positions of ``G`` (:mod:`shardkit.read.partition`), so equal counts per rank, no overlap
+and elastic resume carry over unchanged.
+
+**A changed mixture mid-epoch** (:func:`rest_counts`, ``history``): the samples of the epoch
+already consumed under the earlier mixtures are *seen*; the rest of the epoch is a new ``M``
+over the *unseen* samples only, each stream's sequence being its copy-0 order with the seen
+samples taken out. Promised: no sample seen this epoch is yielded again in it (DDP padding
+aside, which repeats samples of the padded rank's own share, as for one dataset); the rest
+follows the new weights as far as each stream's unseen samples allow (a stream that runs out
+gives its remaining share to the others by weight); with absolute options, stream ``i`` gives
+``c'_i`` minus what it already gave, at most its unseen samples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from shardkit.config import int_arg
+from shardkit.errors import ConfigError
+from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
+from shardkit.read.partition import Range
+
+__all__ = ["MixtureOrder", "Share", "Stage", "allocate", "consumed_ranges", "mixture_counts", "positions_of",
+           "rest_counts"]
+
+IntArray = NDArray[np.int64]
+
+_PIECE = 65_536  # M items generated at once (the merge's chunk): bounds memory per call
+# Domain tags keep the random streams of copies and phases apart.
+_COPY_TAG = 2
+_PHASE_TAG = 3
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one stream contributes per epoch: at most one of the three may be set.
+
+    Args:
+        weight: relative share of the epoch (every stream of a mixture has one, or none).
+        repeat: upsample factor: ``round(repeat * n)`` samples per epoch.
+        choose: absolute samples per epoch.
+    """
+
+    weight: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("weight", "repeat", "choose") if getattr(self, k) is not None]
+        if len(set_) > 1:
+            raise ConfigError(f"Stream: set at most one of weight, repeat, choose (got {', '.join(set_)})")
+        for name in ("weight", "repeat"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or v < 0):
+                raise ConfigError(f"Stream: {name} must be a finite number >= 0, got {v!r}")
+        if self.choose is not None:
+            int_arg("choose", self.choose, 0)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """An earlier mixture of the same epoch, left mid-way (a resume under other weights).
+
+    Args:
+        counts: its per-stream counts.
+        remaining: its ascending M position ranges no rank had consumed when it was left.
+    """
+
+    counts: tuple[int, ...]
+    remaining: tuple[Range, ...]
+
+
+def allocate(total: int, weights: Sequence[float], caps: Sequence[int] | None = None) -> list[int]:
+    """Split ``total`` by ``weights`` with the largest remainder method, capped per stream.
+
+    Each share is within one of ``total * w_i / sum w`` (before caps); ties go to the lower
+    index. A stream whose share exceeds its cap gets the cap, and the excess is split again
+    over the others by weight, until nothing is over or nobody has room.
+
+    Args:
+        total: what to split (>= 0).
+        weights: non-negative weights with a positive sum (exact rationals of the floats).
+        caps: the most each stream can take (None: no caps).
+
+    Returns:
+        The counts (their sum is ``total``, or the sum of the caps if smaller).
+
+    Raises:
+        ConfigError: the weights are negative or sum to zero while ``total`` > 0.
+    """
+    w = [Fraction(x) for x in weights]
+    if any(x < 0 for x in w):
+        raise ConfigError("weights must be >= 0")
+    out = [0] * len(w)
+    open_ = [i for i in range(len(w)) if w[i] > 0 and (caps is None or caps[i] > 0)]
+    left = total
+    while left > 0 and open_:
+        wsum = sum(w[i] for i in open_)
+        quotas = {i: left * w[i] / wsum for i in open_}
+        share = {i: math.floor(q) for i, q in quotas.items()}
+        extra = left - sum(share.values())
+        for i in sorted(open_, key=lambda i: (-(quotas[i] - share[i]), i))[:extra]:
+            share[i] += 1
+        over = [i for i in open_ if caps is not None and out[i] + share[i] > caps[i]]
+        if not over:
+            for i in open_:
+                out[i] += share[i]
+            return out
+        assert caps is not None
+        for i in over:  # full: fill to the cap, and split what is left again without it
+            left -= caps[i] - out[i]
+            out[i] = caps[i]
+        open_ = [i for i in open_ if i not in over]
+    if left > 0 and total > 0 and not any(x > 0 for x in w):
+        raise ConfigError("weights must have a positive sum")
+    return out
+
+
+def mixture_counts(sizes: Sequence[int], shares: Sequence[Share], epoch_size: int | None = None) -> list[int]:
+    """Samples each stream contributes per epoch (see the module docstring).
+
+    Args:
+        sizes: samples per stream (``n_i``).
+        shares: each stream's option.
+        epoch_size: samples per epoch (default: ``sum n_i`` with weights, the counts' sum else).
+
+    Returns:
+        The per-stream counts ``c_i``.
+
+    Raises:
+        ConfigError: some streams have a weight and others not, weights sum to zero, a
+            stream with no samples is asked for some, or ``epoch_size`` is out of range.
+    """
+    if len(sizes) != len(shares) or not sizes:
+        raise ConfigError("a mixture needs at least one stream, and one share per stream")
+    weighted = [s.weight is not None for s in shares]
+    if any(weighted) and not all(weighted):
+        raise ConfigError("Stream: give every stream a weight, or none (use repeat=/choose= for absolute counts)")
+    if epoch_size is not None:
+        epoch_size = int_arg("epoch_size", epoch_size, 0)
+    if all(weighted):
+        ws = [float(s.weight) for s in shares]  # type: ignore[arg-type]
+        if sum(ws) <= 0:
+            raise ConfigError("Stream: the weights must have a positive sum")
+        counts = allocate(sum(sizes) if epoch_size is None else epoch_size, ws)
+    else:
+        counts = [s.choose if s.choose is not None
+                  else math.floor((1.0 if s.repeat is None else s.repeat) * n + 0.5)
+                  for s, n in zip(shares, sizes)]
+        if epoch_size is not None:
+            if sum(counts) == 0 and epoch_size:
+                raise ConfigError("epoch_size: the streams' counts are all 0, nothing to scale")
+            counts = allocate(epoch_size, counts) if epoch_size else [0] * len(counts)
+    for i, (c, n) in enumerate(zip(counts, sizes)):
+        if c and not n:
+            raise ConfigError(f"Stream {i} has no samples but is asked for {c} per epoch")
+    return counts
+
+
+def rest_counts(sizes: Sequence[int], shares: Sequence[Share], epoch_size: int | None,
+                given: Sequence[int], unseen: Sequence[int]) -> list[int]:
+    """Counts for the rest of an epoch resumed under a new mixture (see the module docstring).
+
+    Args:
+        sizes: samples per stream.
+        shares: the new options.
+        epoch_size: the new ``epoch_size`` option.
+        given: samples each stream already gave this epoch.
+        unseen: samples of each stream not yet seen this epoch.
+
+    Returns:
+        Per-stream counts for the rest of the epoch, each at most its unseen samples.
+
+    Raises:
+        ConfigError: as :func:`mixture_counts`.
+    """
+    full = mixture_counts(sizes, shares, epoch_size)
+    if all(s.weight is not None for s in shares):
+        left = max(sum(full) - sum(given), 0)
+        return allocate(left, [float(s.weight) for s in shares], caps=unseen)  # type: ignore[arg-type]
+    return [min(max(c - g, 0), u) for c, g, u in zip(full, given, unseen)]
+
+
+def _raw(seed: int, key: tuple[int, ...], n: int) -> NDArray[np.uint64]:
+    # The raw PCG64 stream is stable across numpy releases (see epoch_order._permutation).
+    return np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)).random_raw(n)
+
+
+def positions_of(ranges: Sequence[Range], piece: int = _PIECE) -> Iterator[IntArray]:
+    """The positions of ``ranges`` in order, at most ``piece`` at a time.
+
+    Args:
+        ranges: ``(start, stop)`` ranges (any order; padding may repeat some).
+        piece: the most positions per array.
+
+    Yields:
+        int64 arrays of positions.
+    """
+    buf: list[IntArray] = []
+    have = 0
+    for a, b in ranges:
+        for lo in range(int(a), int(b), piece):
+            part = np.arange(lo, min(lo + piece, int(b)), dtype=np.int64)
+            buf.append(part)
+            have += part.size
+            if have >= piece:
+                yield np.concatenate(buf)
+                buf, have = [], 0
+    if buf:
+        yield np.concatenate(buf)
+
+
+def consumed_ranges(remaining: Sequence[Range], length: int) -> list[Range]:
+    """The complement of ``remaining`` in ``[0, length)``: what was consumed.
+
+    Args:
+        remaining: ascending, disjoint ranges.
+        length: the sequence's length.
+
+    Returns:
+        Ascending, disjoint ranges.
+    """
+    out, pos = [], 0
+    for a, b in remaining:
+        if a > pos:
+            out.append((pos, int(a)))
+        pos = max(pos, int(b))
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+class MixtureOrder:
+    """The mixture sequence ``M`` of one epoch (see the module docstring).
+
+    Args:
+        shard_sizes: per stream, its samples per shard.
+        counts: per stream, samples it contributes this epoch (:func:`mixture_counts`, or
+            :func:`rest_counts` with ``history``).
+        epoch: epoch number.
+        seed: the seed (``0 <= seed < 2**64``).
+        shuffle: shuffle each stream's order (:class:`EpochOrder`).
+        block_shards: shards per shuffle block.
+        history: earlier mixtures of this epoch (oldest first): their consumed samples are
+            left out of this one.
+
+    Raises:
+        ConfigError: a bad argument, or a count larger than a stream can give (more than its
+            unseen samples, with ``history``).
+    """
+
+    def __init__(self, shard_sizes: Sequence[ArrayLike], counts: Sequence[int], *, epoch: int = 0, seed: int = 0,
+                 shuffle: bool = True, block_shards: int = DEFAULT_BLOCK_SHARDS,
+                 history: Sequence[Stage] = ()) -> None:
+        if len(shard_sizes) != len(counts) or not counts:
+            raise ConfigError("MixtureOrder: one count per stream, at least one stream")
+        self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
+        self.seed = int_arg("seed", seed, 0, 2**64 - 1)
+        self.shuffle, self.block_shards = bool(shuffle), int_arg("block_shards", block_shards, 1)
+        self.shard_sizes = [np.asarray(s, dtype=np.int64) for s in shard_sizes]
+        self.offsets = [np.concatenate(([0], np.cumsum(s))).astype(np.int64) for s in self.shard_sizes]
+        self.sizes = [int(o[-1]) for o in self.offsets]
+        self.counts = [int_arg("count", c, 0) for c in counts]
+        self.history = tuple(history)
+        self._orders: dict[tuple[int, int], EpochOrder] = {}
+        self._pools: list[IntArray] | None = None
+        if self.history:
+            seen = self.seen_before()
+            self._pools = []
+            for i, n in enumerate(self.sizes):
+                full = self._copy(i, 0).indices(0, n)
+                self._pools.append(full[~seen[i][full]])
+            for i, (c, pool) in enumerate(zip(self.counts, self._pools)):
+                if c > pool.size:
+                    raise ConfigError(f"MixtureOrder: stream {i} has {pool.size} unseen samples, {c} asked for")
+        else:
+            for i, (c, n) in enumerate(zip(self.counts, self.sizes)):
+                if c and not n:
+                    raise ConfigError(f"MixtureOrder: stream {i} has no samples, {c} asked for")
+        phases = _raw(self.seed, (_PHASE_TAG, self.epoch, len(self.history)), len(self.counts))
+        self.phase = (phases >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        total = sum(self.counts)
+        self._chunks = max(1, -(-total // _PIECE))
+        # below[j, i]: items of stream i with a key below j / chunks (how many precede chunk j).
+        x = np.arange(self._chunks + 1, dtype=np.float64)[:, None] / self._chunks
+        c = np.asarray(self.counts, dtype=np.float64)[None, :]
+        self._below = np.clip(np.ceil(x * c - self.phase[None, :]), 0, c).astype(np.int64)
+        self._below[-1] = self.counts  # exact at the end whatever the rounding
+        self._chunk_start = self._below.sum(axis=1)
+        self._cache: tuple[int, IntArray, IntArray] | None = None
+
+    def __len__(self) -> int:
+        return int(self._chunk_start[-1])
+
+    def _copy(self, stream: int, q: int) -> EpochOrder:
+        order = self._orders.get((stream, q))
+        if order is None:
+            seed = int(_raw(self.seed, (_COPY_TAG, stream, q), 1)[0])
+            order = EpochOrder(self.shard_sizes[stream], epoch=self.epoch, seed=seed, shuffle=self.shuffle,
+                               block_shards=self.block_shards)
+            self._orders[(stream, q)] = order
+        return order
+
+    def _chunk(self, j: int) -> tuple[IntArray, IntArray]:
+        if self._cache is not None and self._cache[0] == j:
+            return self._cache[1], self._cache[2]
+        lo, hi = self._below[j], self._below[j + 1]
+        n = hi - lo
+        streams = np.repeat(np.arange(len(self.counts), dtype=np.int64), n)
+        items = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n - lo, n)
+        keys = (items + self.phase[streams]) / np.asarray(self.counts, np.float64)[streams]
+        order = np.lexsort((streams, keys))
+        streams, items = streams[order], items[order]
+        self._cache = (j, streams, items)
+        return streams, items
+
+    def items(self, positions: ArrayLike) -> tuple[IntArray, IntArray]:
+        """``(stream, k)`` of each position: ``M[p]`` is item ``k`` of stream ``S_stream``.
+
+        Args:
+            positions: M positions, integers in ``[0, len(self))``.
+
+        Returns:
+            Two int64 arrays, in the order given.
+
+        Raises:
+            ConfigError: a position out of range.
+        """
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size and (pos.min() < 0 or pos.max() >= len(self)):
+            raise ConfigError(f"positions must lie in [0, {len(self)})")
+        streams = np.empty_like(pos)
+        items = np.empty_like(pos)
+        chunk = np.searchsorted(self._chunk_start, pos, side="right") - 1
+        for j in np.unique(chunk).tolist():
+            at = np.flatnonzero(chunk == j)
+            s, k = self._chunk(j)
+            local = pos[at] - self._chunk_start[j]
+            streams[at], items[at] = s[local], k[local]
+        return streams, items
+
+    def take(self, positions: ArrayLike) -> tuple[IntArray, IntArray]:
+        """``(stream, sample)`` of each position: the stream and its global sample index.
+
+        Args:
+            positions: M positions, integers in ``[0, len(self))``.
+
+        Returns:
+            Two int64 arrays, in the order given.
+
+        Raises:
+            ConfigError: a position out of range.
+        """
+        streams, items = self.items(positions)
+        samples = np.empty_like(items)
+        for i in np.unique(streams).tolist():
+            at = np.flatnonzero(streams == i)
+            samples[at] = self.sample_of(i, items[at])
+        return streams, samples
+
+    def sample_of(self, stream: int, items: IntArray) -> IntArray:
+        """The global sample indices of items ``k`` of stream ``S_stream``.
+
+        Args:
+            stream: the stream.
+            items: item numbers in ``[0, counts[stream])``.
+
+        Returns:
+            The stream's global sample indices.
+        """
+        if self._pools is not None:
+            return self._pools[stream][items]
+        n = self.sizes[stream]
+        copies, within = np.divmod(items, n)
+        out = np.empty_like(items)
+        for q in np.unique(copies).tolist():
+            at = np.flatnonzero(copies == q)
+            out[at] = self._copy(stream, q).take(within[at])
+        return out
+
+    def shard_of(self, stream: int, samples: IntArray) -> tuple[IntArray, IntArray]:
+        """Map a stream's global sample indices to ``(shard, position in shard)``.
+
+        Args:
+            stream: the stream.
+            samples: its global sample indices.
+
+        Returns:
+            Two int64 arrays.
+        """
+        offsets = self.offsets[stream]
+        shard = np.searchsorted(offsets, samples, side="right").astype(np.int64) - 1
+        return shard, samples - offsets[shard]
+
+    def seen_before(self) -> list[NDArray[np.bool_]]:
+        """Per stream, which samples the ``history`` stages consumed.
+
+        Returns:
+            One bool array of ``n_i`` per stream.
+        """
+        seen = [np.zeros(n, dtype=bool) for n in self.sizes]
+        for k, stage in enumerate(self.history):
+            earlier = MixtureOrder(self.shard_sizes, stage.counts, epoch=self.epoch, seed=self.seed,
+                                   shuffle=self.shuffle, block_shards=self.block_shards, history=self.history[:k])
+            earlier.mark_seen(consumed_ranges(stage.remaining, len(earlier)), seen)
+        return seen
+
+    def mark_seen(self, ranges: Sequence[Range], seen: list[NDArray[np.bool_]]) -> None:
+        """Mark the samples at M positions ``ranges`` in ``seen``.
+
+        Args:
+            ranges: M position ranges.
+            seen: per-stream bool arrays, updated.
+        """
+        for pos in positions_of(ranges):
+            streams, samples = self.take(pos)
+            for i in np.unique(streams).tolist():
+                seen[i][samples[streams == i]] = True
+
+    def given(self, ranges: Sequence[Range]) -> list[int]:
+        """Per stream, how many items the positions ``ranges`` hold.
+
+        Args:
+            ranges: M position ranges.
+
+        Returns:
+            Counts per stream.
+        """
+        out = np.zeros(len(self.counts), np.int64)
+        for pos in positions_of(ranges):
+            out += np.bincount(self.items(pos)[0], minlength=len(self.counts))
+        return out.tolist()
