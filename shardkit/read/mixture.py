@@ -51,7 +51,7 @@ from shardkit.errors import ConfigError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 from shardkit.read.partition import Range
 
-__all__ = ["MixtureOrder", "Share", "Stage", "allocate", "consumed_ranges", "mixture_counts", "positions_of",
+__all__ = ["MixtureOrder", "Share", "Stage", "allocate", "changed_mixture", "consumed_ranges", "mixture_counts", "positions_of",
            "rest_counts"]
 
 IntArray = NDArray[np.int64]
@@ -315,8 +315,8 @@ class MixtureOrder:
         self._chunks = max(1, -(-total // _PIECE))
         # below[j, i]: items of stream i with a key below j / chunks (how many precede chunk j).
         x = np.arange(self._chunks + 1, dtype=np.float64)[:, None] / self._chunks
-        c = np.asarray(self.counts, dtype=np.float64)[None, :]
-        self._below = np.clip(np.ceil(x * c - self.phase[None, :]), 0, c).astype(np.int64)
+        cf = np.asarray(self.counts, dtype=np.float64)[None, :]
+        self._below = np.clip(np.ceil(x * cf - self.phase[None, :]), 0, cf).astype(np.int64)
         self._below[-1] = self.counts  # exact at the end whatever the rounding
         self._chunk_start = self._below.sum(axis=1)
         self._cache: tuple[int, IntArray, IntArray] | None = None
@@ -462,3 +462,41 @@ class MixtureOrder:
         for pos in positions_of(ranges):
             out += np.bincount(self.items(pos)[0], minlength=len(self.counts))
         return out.tolist()
+
+
+def changed_mixture(shard_sizes: Sequence[ArrayLike], shares: Sequence[Share], epoch_size: int | None,
+                    counts: Sequence[int], history: Sequence[Stage], left: Sequence[Range], *, epoch: int,
+                    seed: int, shuffle: bool, block_shards: int) -> tuple[list[int], tuple[Stage, ...]]:
+    """The rest of an epoch under new options, after a mixture left with ``left`` unconsumed.
+
+    Args:
+        shard_sizes: per stream, its samples per shard.
+        shares: the new per-stream options.
+        epoch_size: the new ``epoch_size`` option.
+        counts: the counts of the mixture being left.
+        history: that mixture's own earlier stages.
+        left: its M ranges no rank consumed.
+        epoch: the epoch.
+        seed: the seed.
+        shuffle: whether stream orders shuffle.
+        block_shards: shards per shuffle block.
+
+    Returns:
+        (counts for the rest of the epoch, the history to build it with: ``history`` plus the
+        stage being left).
+
+    Raises:
+        ConfigError: as :class:`MixtureOrder` and :func:`rest_counts`.
+    """
+    opts = {"epoch": epoch, "seed": seed, "shuffle": shuffle, "block_shards": block_shards}
+    stages = (*history, Stage(tuple(int(c) for c in counts), tuple((int(a), int(b)) for a, b in left)))
+    seen = [np.zeros(int(np.sum(s)), dtype=bool) for s in shard_sizes]
+    given = np.zeros(len(counts), np.int64)
+    for k, stage in enumerate(stages):
+        order = MixtureOrder(shard_sizes, stage.counts, history=stages[:k], **opts)  # type: ignore[arg-type]
+        done = consumed_ranges(stage.remaining, len(order))
+        order.mark_seen(done, seen)
+        given += np.asarray(order.given(done), np.int64)
+    unseen = [int(s.size - s.sum()) for s in seen]
+    sizes = [s.size for s in seen]
+    return rest_counts(sizes, shares, epoch_size, given.tolist(), unseen), stages
