@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -149,3 +151,66 @@ def test_states_and_options_are_checked_in_one_line(three, tmp_path: Path) -> No
         shardkit.wds_shards([Stream(urls[0])], cache_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match="every stream a weight, or none"):
         StreamingDataset([Stream(urls[0], weight=1), Stream(urls[1])])
+
+
+WORKER = Path(__file__).resolve().parents[1] / "ddp_mix_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(tmp: Path, world: int, timeout: float = 120, **cfg: Any) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp / f"mix-{world}-{rank}-{port}.json"
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})], env=env))
+        outs.append(out)
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            assert p.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_two_workers_stop_and_resume_with_three_ranks(s3_env: Any, s3_bucket: str,
+                                                                     tmp_path: Path) -> None:
+    urls, bodies = [], []
+    for i, n in enumerate(SIZES):
+        rng = np.random.default_rng(20 + i)
+        data = [{"__key__": f"m{i}-{k:04d}", "bin": rng.bytes(int(rng.integers(50, 900)))} for k in range(n)]
+        urls.append(f"{s3_bucket}/mix{i}")
+        shardkit.pack(iter(data), urls[-1], shard_bytes="8KB", progress=False)
+        bodies.append({d["__key__"]: d["bin"] for d in data})
+    weights = [0.5, 0.3, 0.2]
+    # 212 samples: 2 ranks x 5 steps x 8 consume 80, and the 132 left split evenly over 3 ranks.
+    cfg = {"urls": urls, "weights": weights, "epoch_size": 212, "cache_dir": str(tmp_path / "cache"),
+           "batch_size": 8, "num_workers": 2}
+    first = run_ranks(tmp_path, 2, stop_after=5, **cfg)
+    assert [r["steps"] for r in first] == [5, 5]
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(first[0]["state"]))
+    second = run_ranks(tmp_path, 3, state_in=str(state), **cfg)
+    assert len({len(r["pairs"]) for r in second}) == 1 and sum(len(r["pairs"]) for r in second) == 132
+    got = Counter((s, k) for r in first + second for s, k in r["pairs"])
+    dss = [shardkit.open_dataset(u) for u in urls]
+    counts = mixture_counts([d.num_samples for d in dss], [Share(weight=w) for w in weights], 212)
+    m = MixtureOrder([d.shard_sizes() for d in dss], counts, epoch=0, seed=11)
+    s, x = m.take(np.arange(len(m)))
+    keys = [sorted(b) for b in bodies]
+    assert got == Counter((a, keys[a][b]) for a, b in zip(s.tolist(), x.tolist()))  # nothing lost or repeated
+    # One node cache for the three datasets: a namespace each, every shard fetched by the node once.
+    assert len([d for d in os.listdir(tmp_path / "cache") if not d.startswith(".")]) == 3
+    assert sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in first) <= sum(d.num_shards for d in dss)
