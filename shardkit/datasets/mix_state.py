@@ -21,7 +21,7 @@ from shardkit.datasets.state import STATE_VERSION, _check_remaining, _is_int
 __all__ = ["MAX_STAGES", "check_mix_state", "make_mix_state", "options_of"]
 
 MAX_STAGES = 64  # mixtures one epoch may have gone through (a bound on what a state makes us compute)
-_MAX_TOTAL = 2**40  # samples per mixture epoch a state may claim
+_MAX_TOTAL = 2**32  # samples per mixture epoch a state may claim (bounds what loading it computes)
 
 
 def options_of(shares: Sequence[Share], epoch_size: int | None) -> dict[str, Any]:

@@ -212,13 +212,17 @@ class MixedStreamingDataset(StreamingDataset):
         left = consumed_remaining(remaining, int(state["world_size"]), bool(state["drop_last"]),
                                   int(state["consumed_per_rank"]))
         epoch = int(state["epoch"])
-        if options == options_of(self._shares, self.epoch_size):
-            self._counts, self._history, self._remaining = counts, history, left
-        else:
-            new, stages = changed_mixture(self._shard_sizes, self._shares, self.epoch_size, counts, history, left,
-                                          epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                                          block_shards=self.shuffle_block)
-            self._counts, self._history, self._remaining = tuple(new), stages, None
+        opts = {"epoch": epoch, "seed": self.seed, "shuffle": self.shuffle, "block_shards": self.shuffle_block}
+        try:  # the saved mixture must be one these streams can make (its counts fit their samples)
+            MixtureOrder(self._shard_sizes, counts, history=history, **opts)  # type: ignore[arg-type]
+            if options == options_of(self._shares, self.epoch_size):
+                self._counts, self._history, self._remaining = counts, history, left
+            else:
+                new, stages = changed_mixture(self._shard_sizes, self._shares, self.epoch_size, counts, history,
+                                              left, **opts)  # type: ignore[arg-type]
+                self._counts, self._history, self._remaining = tuple(new), stages, None
+        except ConfigError as exc:
+            raise ConfigError(f"state_dict: its mixture does not fit these streams ({exc})") from None
         self.epoch = epoch
         self._yielded = 0
         self._write_control()

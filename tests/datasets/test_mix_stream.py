@@ -145,6 +145,16 @@ def test_states_and_options_are_checked_in_one_line(three, tmp_path: Path) -> No
         other.load_state_dict(mix.state_dict())
     with pytest.raises(ConfigError, match="names no data"):
         single.load_state_dict(mix.state_dict())
+    tampered = mix.state_dict()
+    tampered["mixture"]["history"] = [{"counts": [200, 0, 0], "remaining": []}]  # stream 0 seen in full
+    with pytest.raises(ConfigError, match="state_dict: its mixture does not fit these streams"):
+        mix.load_state_dict(tampered)
+    tampered["mixture"]["counts"] = [2**33, 0, 0]
+    with pytest.raises(ConfigError, match="state_dict: mixture counts must be"):
+        mix.load_state_dict(tampered)
+    raw = StreamingDataset([Stream(u) for u in urls], cache_dir=tmp_path / "c", batch_size=4)
+    assert StreamingDataLoader(raw, num_workers=1, multiprocessing_context="fork")._ring_blocker(raw).startswith(
+        "a mixture of streams")
     with pytest.raises(ConfigError, match="zero_copy=True: not supported for a mixture"):
         StreamingDataset([Stream(u) for u in urls], cache_dir=tmp_path / "c", batch_size=4, zero_copy=True)
     with pytest.raises(ConfigError, match="wds_shards: takes one dataset URL"):
