@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -84,6 +85,24 @@ def test_repeat_and_choose_with_workers_and_raw_batches(three, tmp_path: Path) -
     assert {per[(1, k)] for k in three[1][1]} == {2, 3}  # repeat 2.5: each sample 2 or 3 times
     b = batches[0]
     assert [bytes(v) for v in unpack(b, "bin")] == [three[s][1][k] for s, k in zip(b["__stream__"].tolist(), b["__key__"])]
+
+
+def test_persistent_workers_follow_set_epoch_and_a_changed_mixture(three, tmp_path: Path) -> None:
+    streams = [Stream(u, weight=w) for (u, _), w in zip(three, (1, 2, 3))]
+    ds = StreamingDataset(streams, cache_dir=tmp_path / "cache", shuffle=True, seed=4, batch_size=10)
+    loader = StreamingDataLoader(ds, num_workers=2, persistent_workers=True)
+    first = pairs(loader)
+    ds.set_epoch(1)  # the workers already run: they learn the epoch from the control file
+    second = pairs(loader)
+    assert Counter(second) == expected(three, [s.share for s in streams], 1, 4) != Counter(first)
+    state = ds.state_dict(consumed=50)
+    changed = StreamingDataset([Stream(u, weight=w) for (u, _), w in zip(three, (3, 2, 1))],
+                               cache_dir=tmp_path / "cache", shuffle=True, seed=4, batch_size=10)
+    clone = pickle.loads(pickle.dumps(changed))  # as a spawned worker gets it
+    clone.load_state_dict(state)
+    rest = pairs(clone)
+    assert len(rest) == sum(clone.counts) == 160 and len(set(rest)) == 160
+    assert set(rest).isdisjoint(second[:50])  # the loader's order is the rank's: its first 50 were seen
 
 
 def test_without_a_cache_and_with_a_world_of_three(three) -> None:
