@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from shardkit.errors import ConfigError
-from shardkit.read.mixture import Share
+from shardkit.read.mix_counts import Share
 
 __all__ = ["Stream"]
 
