@@ -5,6 +5,7 @@ Public API::
     shardkit.pack(source, "s3://bucket/ds", shard_bytes="512MB", engine="local" | "ray")
     ds = shardkit.open_dataset("s3://bucket/ds")
     stream = shardkit.StreamingDataset("s3://bucket/ds", cache_dir="/nvme/shardkit", shuffle=True)
+    mix = shardkit.StreamingDataset([shardkit.Stream("s3://b/web", weight=0.7), shardkit.Stream("s3://b/cur", weight=0.3)])
     loader = shardkit.StreamingDataLoader(stream, num_workers=8)      # exact resume
     ra = shardkit.ShardDataset("s3://bucket/ds")                      # random access
 """
@@ -30,6 +31,7 @@ _LAZY = {
     "CenterCrop": ".batch.codecs",
     "index_tars": ".packing.index",
     "unpack": ".batch.collate",
+    "Stream": ".read.stream",
 }
 
 __all__ = [*_LAZY, "errors", "__version__"]

@@ -112,6 +112,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         """Why the shared ring cannot be used here ('' if it can)."""
         if dataset.batch_size is None or dataset.decode is not None:
             return "needs StreamingDataset(batch_size=..., decode=None) (raw batches built in the workers)"
+        if getattr(dataset, "streams", None):
+            return "a mixture of streams collates its batches from samples (no raw batches to write into it)"
         if self.num_workers < 1:
             return "needs num_workers > 0"
         ctx = self.multiprocessing_context

@@ -36,7 +36,7 @@ from shardkit.read.cache_refs import cache_namespace
 from shardkit.read.shard_source import ShardSource
 from shardkit.read.topology import FromParent, Topology, current
 
-__all__ = ["StreamingDataset"]
+__all__ = ["READERS", "StreamingDataset"]
 
 try:  # torch is optional: without it the dataset is a plain iterable
     from torch.utils.data import IterableDataset as _IterableBase
@@ -47,13 +47,18 @@ except ImportError:  # pragma: no cover - exercised only without torch
 # once the training loop drops the last batch over it, so its pages are already mapped (a
 # fresh one costs a zero-filled page fault per 4 KiB before the copy itself).
 _BATCH_BUFFERS = BufferPool(keep=8, largest=256 << 20)
+#: (accepts url, subclass) pairs: ``StreamingDataset(url)`` makes the first subclass whose test
+#: accepts ``url`` (see ``__new__``).
+READERS: list[tuple[Callable[[Any], bool], type[StreamingDataset]]] = []
 
 
 class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
     """Stream a dataset into training with exact per-rank shares.
 
     Args:
-        url: dataset root (``s3://bucket/ds``, a local path, ...).
+        url: dataset root (``s3://bucket/ds``, a local path, ...), or a list of
+            :class:`shardkit.Stream` to mix several datasets with weights (see
+            :mod:`shardkit.datasets.mixed`; its ``epoch_size`` keyword sets the samples per epoch).
         cache_dir: node-local cache directory shared by all ranks/workers of the node;
             ``None`` streams without caching: each reader fetches only segments (~64 MiB) of
             the byte ranges its own samples occupy, reads them ahead, and holds the segments
@@ -118,6 +123,15 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         DatasetNotFoundError: nothing is at ``url``.
         StorageError: the dataset's metadata could not be read.
     """
+
+    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> StreamingDataset:
+        # Another kind of url (a list of Streams: a mixture) is read by a subclass that
+        # registered for it (shardkit.datasets.mixed, imported with the package).
+        if cls is StreamingDataset:
+            for accepts, kind in READERS:
+                if accepts(url):
+                    return super().__new__(kind)
+        return super().__new__(cls)
 
     def __init__(self, url: str, cache_dir: str | os.PathLike[str] | None = None, cache_limit: int | str = "200GB",
                  shuffle: bool = False, seed: int = 0, decode: str | Callable[[dict[str, Any]], Any] | None = None,

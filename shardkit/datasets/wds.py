@@ -69,7 +69,7 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             else 1).
 
     Raises:
-        ConfigError: no ``cache_dir``, or a number out of range.
+        ConfigError: no ``cache_dir``, a mixture of Streams for ``url``, or a number out of range.
         DatasetNotFoundError: nothing is at ``url``.
     """
 
@@ -78,6 +78,9 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
                  prefetch: int = 2, rank: int | None = None, world_size: int | None = None) -> None:
         if cache_dir is None:
             raise ConfigError("wds_shards: cache_dir is required (WebDataset opens local files)")
+        if not isinstance(url, (str, os.PathLike)):
+            raise ConfigError("wds_shards: takes one dataset URL, not a mixture of Streams; mix datasets with "
+                              "shardkit.StreamingDataset([shardkit.Stream(...), ...])")
         self.ds = Dataset(url, storage_options)
         self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed = bool(shuffle), int_arg("seed", seed, 0, 2**64 - 1)
