@@ -58,9 +58,10 @@ class _Column:
             rows -= rows % chunk_rows
         elif chunk_rows * self.row_nbytes <= _MAX_CHUNK_BLOCK:
             rows = chunk_rows
-        self.block_rows = rows
+        self.block_rows, self.chunk_rows = rows, chunk_rows
         self.start = self.stop = 0
         self.block = memoryview(b"")
+        self.bad = (0, 0)  # a block that failed to read: its rows are read chunk by chunk
 
     def value(self, row: int, url: str, storage_options: dict[str, Any] | None, name: str) -> FieldValue:
         """The .npy body of ``row``: from the block read last, else after reading its block."""
@@ -69,13 +70,26 @@ class _Column:
         if not self.row_nbytes:
             return self.header
         if not self.start <= row < self.stop:
-            start = row - row % self.block_rows  # aligned, so blocks start on chunk boundaries
-            stop = min(start + self.block_rows, self.n_rows)
-            data = read_block(self.arr, (slice(start, stop),), self.dtype, self.ref,
-                              f"rows {start}-{stop - 1} (row {row})")
-            self.start, self.stop, self.block = start, stop, data.reshape(-1).view(np.uint8).data
+            self._read(row)
         at = (row - self.start) * self.row_nbytes
         return self.header + self.block[at:at + self.row_nbytes]
+
+    def _read(self, row: int) -> None:
+        """Read the block holding ``row``; if it fails, only the chunk holding it, so one bad
+        chunk fails (or skips) its own rows, not every row of the block."""
+        size = self.chunk_rows if self.bad[0] <= row < self.bad[1] else self.block_rows
+        start = row - row % size  # aligned, so blocks start on chunk boundaries
+        stop = min(start + size, self.n_rows)
+        try:
+            data = read_block(self.arr, (slice(start, stop),), self.dtype, self.ref,
+                              f"rows {start}-{stop - 1} (row {row})")
+        except SourceError:
+            if size == self.chunk_rows or stop - start <= self.chunk_rows:
+                raise
+            self.bad = (start, stop)
+            self._read(row)
+            return
+        self.start, self.stop, self.block = start, stop, data.reshape(-1).view(np.uint8).data
 
 
 class _Open:
