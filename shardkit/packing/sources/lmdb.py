@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
 from typing import Any
 
 from shardkit.errors import SourceError, SourceNotFoundError
@@ -65,12 +66,40 @@ def _ref_of(raw: bytes, key: str) -> str:
 
 
 class _Env:
-    """An environment as one process opened it (py-lmdb refuses a second open of one path in a
-    process, and an environment must not be used across a fork)."""
+    """An environment as one process opened it, shared by every source reading that path in the
+    process (py-lmdb refuses a second open of one path in a process; copies of one source, as
+    unpickled into tasks, meet that) and closed when the last lets go."""
 
-    def __init__(self, lmdb: Any, path: str, subdir: bool) -> None:
-        self.pid = os.getpid()
-        self.env = _open_env(lmdb, path, subdir)
+    def __init__(self, env: Any) -> None:
+        self.pid = os.getpid()  # an environment must not be used across a fork
+        self.env = env
+        self.users = 0
+
+
+_ENVS: dict[tuple[str, bool], _Env] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire(lmdb: Any, path: str, subdir: bool) -> _Env:
+    """The process's open environment at ``path``, opened now if it is not."""
+    with _ENVS_LOCK:
+        held = _ENVS.get((path, subdir))
+        if held is None or held.pid != os.getpid():  # a forked child opens its own
+            held = _ENVS[(path, subdir)] = _Env(_open_env(lmdb, path, subdir))
+        held.users += 1
+        return held
+
+
+def _release(path: str, subdir: bool, held: _Env) -> None:
+    """Let go of ``held``; the last user in the process that opened it closes it."""
+    with _ENVS_LOCK:
+        if held.pid != os.getpid():
+            return  # the parent's: left alone in a forked child
+        held.users -= 1
+        if held.users <= 0:
+            if _ENVS.get((path, subdir)) is held:
+                del _ENVS[(path, subdir)]
+            held.env.close()
 
 
 def _data_file(path: str, subdir: bool) -> str:
@@ -143,9 +172,9 @@ class LmdbSource:
     def task_done(self) -> None:
         """Close the environment ``load`` kept open in this process; a later ``load`` reopens
         it. The packer calls this after each task."""
-        env, self._env = self._env, None
-        if env is not None and env.pid == os.getpid():  # a forked child leaves the parent's alone
-            env.env.close()
+        held, self._env = self._env, None
+        if held is not None:
+            _release(self.path, self.subdir, held)
 
     def list_items(self) -> list[SourceItem]:
         """One item per key, in LMDB's (byte) order, reading keys and value sizes only.
@@ -160,11 +189,11 @@ class LmdbSource:
         """
         lmdb = require("lmdb")
         data = _data_file(self.path, self.subdir)
-        env = _open_env(lmdb, self.path, self.subdir)
+        held = _acquire(lmdb, self.path, self.subdir)
         items: list[SourceItem] = []
         field = self.field
         try:
-            with env.begin(buffers=True) as txn:
+            with held.env.begin(buffers=True) as txn:
                 # Buffers: keys and values are views of the map, so a value's size is known without
                 # copying it (a large value's pages are not even touched).
                 for raw, value in txn.cursor().iternext(keys=True, values=True):
@@ -176,7 +205,7 @@ class LmdbSource:
             raise SourceError(f"{data}: corrupt LMDB environment after {len(items)} keys ({exc}); copy it again") \
                 from exc
         finally:
-            env.close()
+            _release(self.path, self.subdir, held)
         if not items:
             raise SourceError(f"{data}: the LMDB environment holds no keys")
         return items
@@ -196,7 +225,7 @@ class LmdbSource:
         """
         lmdb = require("lmdb")
         if self._env is None or self._env.pid != os.getpid():
-            self._env = _Env(lmdb, self.path, self.subdir)
+            self._env = _acquire(lmdb, self.path, self.subdir)
         raw = _raw_of(item.ref)
         data = _data_file(self.path, self.subdir)
         try:
