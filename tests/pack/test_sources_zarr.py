@@ -244,6 +244,8 @@ def test_resolve_and_cli_options(tmp_path, capsys):
     os.rename(store, plain)  # sniffed by its zarr.json, not by its name
     src = resolve_source(str(plain), zarr_rows="x")
     assert isinstance(src, ZarrSource) and src.mode == "rows"
+    by_url = resolve_source(f"file://{plain}")
+    assert isinstance(by_url, ZarrSource) and by_url.url == str(plain) and len(by_url.list_items()) == 4
     assert cli_main(["pack", str(plain), str(tmp_path / "ds"), "--zarr-rows", "x,y", "--quiet"]) == 0
     assert shardkit.open_dataset(str(tmp_path / "ds")).num_samples == N
     (tmp_path / "keyed").mkdir()
@@ -280,6 +282,11 @@ def test_group_in_s3_packs_identical_to_local(tmp_path, s3_server, s3_bucket, ro
     b = shardkit.open_dataset(f"{s3_bucket}/from-disk", storage_options=opts)
     assert a.num_samples == (120 if rows else 4) and a.shards.equals(b.shards) and a.samples.equals(b.samples)
     assert list_objects(a) == list_objects(b)
+    if rows is None:  # a URL not named *.zarr is found by its zarr.json
+        fs.put(str(store / "zarr.json"), f"{s3_bucket[5:]}/plain/zarr.json")
+        assert isinstance(resolve_source(f"{s3_bucket}/plain", storage_options=opts), ZarrSource)
+        with pytest.raises(SourceError, match="only WebDataset tars"):
+            resolve_source(f"{s3_bucket}/data", storage_options=opts)
 
 
 @pytest.mark.s3

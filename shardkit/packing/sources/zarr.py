@@ -116,6 +116,9 @@ class ZarrSource:
             fields ``<basename>.npy``, meta ``source`` = ``"<store name>::<i>"``.
         storage_options: fsspec options for a remote store (endpoint, credentials).
 
+    A store that is one array (no group) is named by its stem: one sample keyed
+    ``safe_key(stem)``, or its rows with ``arrays=stem``.
+
     Raises:
         SourceError: a bad mode, or rows mode without arrays.
     """
