@@ -121,6 +121,25 @@ def test_rows_are_read_in_chunk_aligned_blocks(tmp_path, monkeypatch):
     assert [(a, b) for name, a, b in reads if name == "y"] == [(0, 300)]   # 320 rows fit: 3 whole chunks
 
 
+def test_rows_over_chunk_bytes_stream_slab_by_slab(tmp_path, monkeypatch):
+    from shardkit.packing.sample import StreamedField
+    from shardkit.packing.sources import zarr_read
+
+    monkeypatch.setattr(zarrmod, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(zarr_read, "CHUNK_BYTES", 4096)
+    vol = zarr.open_group(str(tmp_path / "v.zarr"), mode="w").create_array(
+        "vol", shape=(6, 40, 40), chunks=(2, 8, 40), dtype=">f4")
+    vol[:] = np.arange(6 * 40 * 40, dtype=">f4").reshape(6, 40, 40)
+    src = ZarrSource(tmp_path / "v.zarr", arrays="vol", mode="rows")
+    want = zarr.open_array(str(tmp_path / "v.zarr" / "vol"), mode="r")
+    for i, item in enumerate(src.list_items()):
+        field = src.load(item).fields["vol.npy"]
+        assert isinstance(field, StreamedField)
+        parts = list(field.chunks())
+        assert len(parts) > 2 and all(len(p) <= 4096 for p in parts)
+        assert b"".join(parts) == saved(want[i]) and field.size == len(saved(want[i]))
+
+
 def test_listing_reads_no_chunk(tmp_path):
     store = make_group(tmp_path / "meta.zarr")
     for chunk in (store / "x" / "c").rglob("*"):
