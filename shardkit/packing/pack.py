@@ -37,7 +37,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          shard_samples: int | None = None, labels_from_dirs: bool = False, on_error: str = "raise",
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
-         progress: bool = True) -> dict[str, Any]:
+         progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
@@ -45,8 +45,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     destination at a time.
 
     Args:
-        source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar), a
-            WebDataset tar URL/glob, a :class:`~shardkit.packing.sources.Source`, or an iterable
+        source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar, a Zarr
+            store, an LMDB environment), a WebDataset tar URL/glob, a Zarr store URL, a
+            :class:`~shardkit.packing.sources.Source`, or an iterable
             of dicts (packed as it comes, ``engine="local"`` only).
         dest: any fsspec URL (``s3://bucket/prefix``, a local path, ``memory://...``).
         shard_bytes: target shard size (``"512MB"``); shards close before overflowing it.
@@ -73,6 +74,10 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         hdf5_rows: for an HDF5 source, the comma-separated datasets whose rows are the samples
             (default: each dataset is a sample).
         progress: show a progress bar on stderr.
+        zarr_rows: for a Zarr source, the comma-separated arrays whose rows are the samples
+            (default: each array is a sample).
+        lmdb_field: for an LMDB source, the field each value is packed as, a decoder hint
+            (``"jpg"``; default ``"bin"``).
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
@@ -101,11 +106,15 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     if _is_iterable(source):
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
-        if hdf5_rows is not None or labels_from_dirs:
-            raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
-                              "path, not to an iterable of samples (give each sample its fields)")
+        given = [name for name, value in (("hdf5_rows", hdf5_rows), ("zarr_rows", zarr_rows),
+                                          ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None))
+                 if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]}: applies to a source path, not to an iterable of samples (give each sample "
+                              "its fields)")
         return pack_iterable(source, store, opts, overwrite, progress)
-    src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options,
+                         hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
     if listing is not None:
         listing.skip = on_error == "skip"

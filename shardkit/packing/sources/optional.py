@@ -37,6 +37,8 @@ class Requirement:
 
 OPTIONAL_SOURCES: dict[str, Requirement] = {
     "hdf5": Requirement("Hdf5Source", "h5py", "hdf5"),
+    "zarr": Requirement("ZarrSource", "zarr", "zarr"),
+    "lmdb": Requirement("LmdbSource", "lmdb", "lmdb"),
 }
 
 

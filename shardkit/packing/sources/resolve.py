@@ -17,31 +17,39 @@ from shardkit.packing.sources.base import Source
 from shardkit.packing.sources.filelist import FileListSource
 from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
+from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource
 from shardkit.packing.sources.wds import WdsTarSource
+from shardkit.packing.sources.zarr import ZarrSource
 from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["resolve_source"]
 
 _HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
+_LMDB = (".mdb", ".lmdb")
 _COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
-                   hdf5_rows: str | None = None) -> Source:
+                   hdf5_rows: str | None = None, zarr_rows: str | None = None,
+                   lmdb_field: str | None = None) -> Source:
     """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
     (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
-    ``labels_from_dirs``). Only names and sizes are looked at.
+    ``labels_from_dirs``). Only names and sizes are looked at. A directory or URL holding
+    ``zarr.json`` (or named ``*.zarr``) is a Zarr store; one holding ``data.mdb``, or a
+    ``.mdb``/``.lmdb`` file, an LMDB environment.
 
     Args:
         source: a Source, or a path, glob or URL (``file://`` too).
         labels_from_dirs: read a folder as an ImageFolder.
         storage_options: fsspec options for a remote source.
         hdf5_rows: for an HDF5 source, the datasets whose rows are the samples.
+        zarr_rows: for a Zarr source, the arrays whose rows are the samples.
+        lmdb_field: for an LMDB source, the field each value is packed as (default ``bin``).
 
     Returns:
         The source.
@@ -50,15 +58,47 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
         SourceError: a type of input no source reads (a remote path that is no tar, a file
             type, a folder of tars and other files, an empty folder).
-        ConfigError: ``hdf5_rows`` for a source that is not HDF5 (not silently ignored), or
-            credentials in a URL.
+        ConfigError: ``hdf5_rows``, ``zarr_rows`` or ``lmdb_field`` for a source of another
+            kind (not silently ignored), or credentials in a URL.
     """
-    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
-    if hdf5_rows is not None:
-        if not isinstance(src, Hdf5Source):
-            raise ConfigError(f"hdf5_rows (--hdf5-rows {hdf5_rows}) applies to HDF5 sources only; "
+    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
+                   zarr_rows=zarr_rows, lmdb_field=lmdb_field)
+    for option, value, kind, cls in (("hdf5_rows", hdf5_rows, "HDF5", Hdf5Source),
+                                     ("zarr_rows", zarr_rows, "Zarr", ZarrSource),
+                                     ("lmdb_field", lmdb_field, "LMDB", LmdbSource)):
+        if value is not None and not isinstance(src, cls):
+            raise ConfigError(f"{option} (--{option.replace('_', '-')} {value}) applies to {kind} sources only; "
                               f"{source} is a {src.describe().get('type', type(src).__name__)} source")
     return src
+
+
+def _zarr(path: str, zarr_rows: str | None, storage_options: dict[str, Any] | None) -> Source:
+    return ZarrSource(path, arrays=zarr_rows, mode="rows" if zarr_rows else "arrays", storage_options=storage_options)
+
+
+def _remote_kind(url: str, storage_options: dict[str, Any] | None) -> str | None:
+    """``"zarr"`` or ``"lmdb"`` for a URL that names a Zarr store or an LMDB environment, else
+    None. By its name (``*.zarr``, ``*.mdb``, ``*.lmdb``); a URL that no other source reads (no
+    ``.tar``, glob or trailing ``/``) is also probed for a ``zarr.json``/``data.mdb`` under it,
+    one request each, so URLs of tars cost no request here."""
+    base = url.rstrip("/")
+    if base.lower().endswith(".zarr"):
+        return "zarr"
+    if base.lower().endswith(_LMDB):
+        return "lmdb"
+    if url.endswith("/") or base.endswith(".tar") or "*" in base:
+        return None
+    import fsspec  # a core dependency; imported here as only this probe needs it
+
+    try:
+        fs, root = fsspec.core.url_to_fs(base, **(storage_options or {}))
+        if fs.isfile(f"{root}/zarr.json"):
+            return "zarr"
+        if fs.isfile(f"{root}/data.mdb"):
+            return "lmdb"
+    except Exception:  # noqa: BLE001 - only a probe: the refusal below names the URL either way
+        return None
+    return None
 
 
 # What shardkit keeps beside the tars of a folder it indexed (``shardkit index DIR``), and a
@@ -113,7 +153,7 @@ def _local_glob(pattern: Path) -> Source:
 
 
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
-             hdf5_rows: str | None) -> Source:
+             hdf5_rows: str | None, zarr_rows: str | None, lmdb_field: str | None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
         return source
     if not isinstance(source, (str, os.PathLike)):
@@ -123,6 +163,11 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
         return WdsTarSource(text, storage_options=storage_options)
     if "://" in text and not text.startswith("file://"):
+        kind = _remote_kind(text, storage_options)
+        if kind == "zarr":
+            return _zarr(text, zarr_rows, storage_options)
+        if kind == "lmdb":  # refused (one line): LMDB is read from local disk only
+            return LmdbSource(text)
         if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
                 return WdsTarSource(text, storage_options=storage_options)
         raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
@@ -133,6 +178,10 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if not path.exists():
         raise SourceNotFoundError(f"source {path} does not exist")
     suffix = path.suffix.lower()
+    if path.is_dir() and (path / "zarr.json").is_file():
+        return _zarr(str(path), zarr_rows, storage_options)
+    if (path.is_dir() and (path / "data.mdb").is_file()) or (path.is_file() and suffix in _LMDB):
+        return LmdbSource(path, field=lmdb_field or "bin")
     if path.is_file():
         if suffix in (".csv", ".parquet", ".pq"):
             return FileListSource(path)
