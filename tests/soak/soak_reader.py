@@ -2,7 +2,7 @@
 StreamingDataLoader with 2 persistent workers, many epochs through a tiny shared node cache.
 
 argv[1] is a JSON config: url, cache_dir, cache_limit, rank, epochs, out (JSON lines, one per
-epoch: the keys read, and this process's and its workers' RSS, threads, fds and children).
+epoch: the keys read, an xxh3-64 of each sample's bytes, and this process's and its workers' RSS, threads, fds and children).
 """
 
 import gc
@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-from shardkit import StreamingDataLoader, StreamingDataset
+import xxhash
+
+from shardkit import StreamingDataLoader, StreamingDataset, unpack
 
 
 def _status(pid: int, field: str) -> int:
@@ -61,11 +63,14 @@ def main() -> None:
     with open(cfg["out"], "w") as out:
         for epoch in range(cfg["epochs"]):
             ds.set_epoch(epoch)
-            keys = [k for batch in loader for k in batch["__key__"]]
+            keys, digests = [], []
+            for batch in loader:
+                keys.extend(batch["__key__"])
+                digests.extend(xxhash.xxh3_64_hexdigest(b) for b in unpack(batch, "bin"))
             gc.collect()
             kids = _children(me)
             out.write(json.dumps({
-                "epoch": epoch, "keys": keys, "rss_kb": _status(me, "VmRSS"),
+                "epoch": epoch, "keys": keys, "digests": digests, "rss_kb": _status(me, "VmRSS"),
                 "worker_rss_kb": [_status(p, "VmRSS") for p in kids], "threads": len(os.listdir("/proc/self/task")),
                 "fds": len(os.listdir("/proc/self/fd")), "children": kids,
                 "deleted_mapped": _deleted_mapped([me, *kids], cfg["cache_dir"]),

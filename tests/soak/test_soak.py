@@ -5,6 +5,9 @@ While they read, the test samples the cache directory's disk use (as ``du`` does
 milliseconds. It checks: every epoch reads every sample exactly once over the ranks; the
 cache never holds more than ``cache_limit`` on disk; each process's RSS, threads and open fds
 stay flat over the epochs; nothing is left behind (processes, shared memory, temp dirs).
+The readers reach SeaweedFS through a :class:`~faultproxy.FaultProxy` that resets, cuts,
+flips and fails a few percent of their GETs at random, all along: every sample must still
+arrive once per epoch with its exact bytes, and each kind of fault must have been injected.
 Bounded: the readers are killed (and the test fails) after ``DEADLINE`` seconds. Run it with
 ``-s`` to see its figures (docs/metrics.md quotes them).
 """
@@ -24,8 +27,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 import shardkit
+from faultproxy import FaultProxy, Rule
 
 REPO = Path(__file__).resolve().parents[2]
 READER = Path(__file__).resolve().parent / "soak_reader.py"
@@ -34,6 +39,10 @@ EPOCHS = 30
 DEADLINE = 150.0
 # RSS growth allowed between the early epochs (after warm-up) and the last ones, per process.
 RSS_SLACK_KB = 12 * 1024
+# The share of the readers' GETs (manifest and shard reads alike) each kind of fault hits. A
+# flip is rarer: the cache refuses a shard whose download fails its checksum twice in a row
+# (IntegrityError, by design: loud, never silent), which 2% flips made likely over 30 epochs.
+SOAK_FAULTS = {"reset_mid": 0.015, "truncate": 0.015, "error500": 0.015, "flip": 0.005}
 
 
 def _disk(cache_dir: Path) -> tuple[int, int, list[tuple[str, int]]]:
@@ -79,7 +88,7 @@ def _flat(series: list[int], warm: int = 2) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.s3
 @pytest.mark.timeout(DEADLINE + 60)
-def test_soak_tiny_cache_many_epochs(s3_env: Any, s3_bucket: str, tmp_path: Path) -> None:
+def test_soak_tiny_cache_many_epochs_through_faults(s3_env: Any, s3_bucket: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     data = [{"__key__": f"q{i:05d}", "bin": rng.bytes(int(rng.integers(500, 3500)))} for i in range(N)]
     url = f"{s3_bucket}/soak"
@@ -104,6 +113,8 @@ def test_soak_tiny_cache_many_epochs(s3_env: Any, s3_bucket: str, tmp_path: Path
             peak["samples"] += 1
             stop.wait(0.01)
 
+    proxy = FaultProxy(s3_env.endpoint, [Rule(f, methods=("GET",), prob=p) for f, p in SOAK_FAULTS.items()],
+                       seed=11).start()
     sampler = threading.Thread(target=sample, name="soak-du")
     sampler.start()
     procs, outs = [], []
@@ -113,7 +124,8 @@ def test_soak_tiny_cache_many_epochs(s3_env: Any, s3_bucket: str, tmp_path: Path
             out = tmp_path / f"soak-{rank}.jsonl"
             cfg = {"url": url, "cache_dir": str(cache), "cache_limit": limit, "rank": rank, "epochs": EPOCHS,
                    "out": str(out)}
-            env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp), "SHARDKIT_ROOM_WAIT": "0.5"}
+            env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp), "SHARDKIT_ROOM_WAIT": "0.5",
+                   "AWS_ENDPOINT_URL": proxy.endpoint}
             procs.append(subprocess.Popen([sys.executable, str(READER), json.dumps(cfg)], env=env))
             outs.append(out)
         for p in procs:
@@ -121,6 +133,7 @@ def test_soak_tiny_cache_many_epochs(s3_env: Any, s3_bucket: str, tmp_path: Path
     finally:
         stop.set()
         sampler.join()
+        proxy.stop()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -131,11 +144,19 @@ def test_soak_tiny_cache_many_epochs(s3_env: Any, s3_bucket: str, tmp_path: Path
     stats = [rank[-1]["stats"] for rank in lines]
     assert [len(e) for e in epochs] == [EPOCHS, EPOCHS]
     keys = Counter(d["__key__"] for d in data)
+    want = {d["__key__"]: xxhash.xxh3_64_hexdigest(d["bin"]) for d in data}
     for e in range(EPOCHS):
         assert Counter(k for rank in epochs for k in rank[e]["keys"]) == keys, f"epoch {e}"
+        for rank in epochs:
+            bad = [k for k, h in zip(rank[e]["keys"], rank[e]["digests"]) if want[k] != h]
+            assert not bad, f"epoch {e}: wrong bytes for {bad[:3]}"
+    faults = proxy.stats()
+    assert all(faults[f] > 0 for f in SOAK_FAULTS), faults
 
     print(f"\nsoak: {N} samples, {len(ds.shard_list)} shards, {total} bytes; cache_limit {limit} bytes "
           f"({limit / total:.0%} of the dataset); 2 ranks x 2 workers; {EPOCHS} epochs in {elapsed:.0f} s")
+    print(f"  through the fault proxy: {faults['requests']} requests, faults injected "
+          f"{ {f: faults[f] for f in SOAK_FAULTS} }")
     print(f"  cache on disk, sampled {peak['samples']} times under the cache's lock: peak {peak['size']} bytes of "
           f"files in {len(peak['files'])} files ({peak['blocks']} allocated, as du counts), limit {limit}")
     for rank, rows in enumerate(epochs):
