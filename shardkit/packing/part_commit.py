@@ -67,6 +67,9 @@ def commit_parts(store: Store, claim: Claim, results: list[TaskResult], *, sourc
         shards = [replace(r, shard=r.shard + first) for r in res.shards]
         committed.append(replace(res, shards=shards, row_groups=[groups.get(r.shard, -1) for r in res.shards]))
         first += len(res.shards)
+    # The parts were staged by other processes (Ray tasks): a listing this process cached
+    # would hide them from the commit's removal of _pack/.
+    store.fs.invalidate_cache(store.path("_pack"))
     return commit_pack(store, claim, committed, source=source, labels=None, started=started, engine=engine, opts=opts)
 
 

@@ -21,7 +21,6 @@ from shardkit.config import DEFAULT_SHARD_BYTES, parse_size
 from shardkit.errors import ConfigError
 from shardkit.packing.claim import Claim
 from shardkit.packing.destination import prepare_destination, refuse_committed, refuse_file_dest, sweep_temp
-from shardkit.packing.pack_parts import parts_plan_id
 from shardkit.packing.part_commit import commit_parts
 from shardkit.packing.part_task import run_part
 from shardkit.packing.sources.parts import part_samples
@@ -31,9 +30,11 @@ from shardkit.packing.transforms import describe_transform
 from shardkit.storage.options import with_env_location
 from shardkit.storage.store import Store
 
-__all__ = ["Datasink"]
+__all__ = ["DATASINK_PLAN", "Datasink"]
 
 _SOURCE = {"type": "ray_datasink"}
+#: The plan id of every datasink write's claim.
+DATASINK_PLAN = "ray-datasink"
 
 
 class Datasink(_RayDatasink):
@@ -75,7 +76,9 @@ class Datasink(_RayDatasink):
         self.overwrite = overwrite
         self.settings = {"source": _SOURCE, "on_error": on_error, "transform": desc, "shard_bytes": sbytes,
                          "shard_samples": shard_samples}
-        self.plan_id = parts_plan_id(self.settings)
+        # One plan for every datasink: a write is never resumed (its destination is cleared at
+        # the start), so a rerun with other options may take over a failed write's claim.
+        self.plan_id = DATASINK_PLAN
         self.result: dict[str, Any] | None = None
         self._claim: Claim | None = None
         self._started = 0.0

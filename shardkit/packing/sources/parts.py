@@ -96,12 +96,9 @@ class Parts:
             part: the part's index.
             skipped: with ``on_error="skip"``, gets each bad item (left out); None raises.
 
-        Yields:
-            The part's samples, in order.
-
-        Raises:
-            SourceError: naming the part and the item (a bad sample, a repeated key in the
-                part, or any error the part's code raised).
+        Returns:
+            The part's samples, in order, from :func:`part_samples` (which names the part in
+            any error the part raises as they are read).
         """
         return part_samples(part, lambda: self.fn(part), skipped)
 
