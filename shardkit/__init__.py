@@ -33,7 +33,7 @@ _LAZY = {
     "Parts": ".packing.sources.parts",
 }
 
-__all__ = [*_LAZY, "errors", "ray", "__version__"]
+__all__ = [*_LAZY, "errors", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
