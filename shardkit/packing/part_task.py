@@ -96,6 +96,9 @@ def run_part(store: Store, part: int, samples: Iterable[PackSample], skipped: li
             if progress is not None:
                 progress(1, sample.nbytes())
     records = list(writer.shards)
+    for entry in skipped:  # the items a part left out, named by part in dataset.json's list
+        if not entry["ref"].startswith("part "):
+            entry["ref"] = f"part {part} {entry['ref']}"
     summary = {"plan_id": plan_id, "task": part, "shards": [asdict(r) for r in records], "skipped": skipped,
                "fields": sorted(fields)}
     put_fragment(store, staged_fragment(part), fragment, {TASK_META: json.dumps(summary)})
