@@ -4,7 +4,8 @@ Each part numbered its shards from 0 (:mod:`shardkit.packing.part_task`); here, 
 is done, part ``p``'s shards take the numbers after those of parts ``0..p-1``, and its staged
 fragment is written to ``manifest/samples-PPPPP.parquet`` with the ``shard`` column and the
 shard checksums renumbered (a fragment at a time, so the driver holds one part's rows). Keys
-are checked unique across parts on the way, then :func:`~shardkit.packing.commit.commit_pack`
+are checked unique across parts: their hashes on the way (12 bytes a key), then the keys of the
+shards whose hashes collide are read back. Then :func:`~shardkit.packing.commit.commit_pack`
 commits as for any pack.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +25,7 @@ from shardkit.errors import SourceError
 from shardkit.format.manifest import SHARD_CHECKSUMS_KEY, parquet_file
 from shardkit.packing.claim import Claim
 from shardkit.packing.commit import commit_pack
-from shardkit.packing.key_ledger import KeySet
+from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.part_task import staged_fragment
 from shardkit.packing.task import TASK_META, PackOptions, TaskResult
 from shardkit.storage.store import Store
@@ -54,7 +56,7 @@ def commit_parts(store: Store, claim: Claim, results: list[TaskResult], *, sourc
     """
     if not any(r.shards for r in results):
         raise SourceError("source parts are empty: no part yielded a sample")
-    seen = KeySet()
+    keys = KeyLedger()  # 12 bytes a key: the driver never holds the keys themselves
     first = 0
     committed: list[TaskResult] = []
     for res in results:
@@ -62,20 +64,20 @@ def commit_parts(store: Store, claim: Claim, results: list[TaskResult], *, sourc
             committed.append(res)
             continue
         data = store.read_bytes(staged_fragment(res.task))
-        out, groups = _renumber(data, first, res, results, store, seen)
+        out, groups = _renumber(data, first, res, keys)
         store.put_bytes(res.fragment, out)
         shards = [replace(r, shard=r.shard + first) for r in res.shards]
         committed.append(replace(res, shards=shards, row_groups=[groups.get(r.shard, -1) for r in res.shards]))
         first += len(res.shards)
+    _refuse_repeats(store, keys, committed)
     # The parts were staged by other processes (Ray tasks): a listing this process cached
     # would hide them from the commit's removal of _pack/.
     store.fs.invalidate_cache(store.path("_pack"))
     return commit_pack(store, claim, committed, source=source, labels=None, started=started, engine=engine, opts=opts)
 
 
-def _renumber(data: bytes, first: int, res: TaskResult, results: list[TaskResult], store: Store,
-              seen: KeySet) -> tuple[bytes, dict[int, int]]:
-    """A staged fragment with its shards numbered from ``first``, checking its keys against ``seen``.
+def _renumber(data: bytes, first: int, res: TaskResult, keys: KeyLedger) -> tuple[bytes, dict[int, int]]:
+    """A staged fragment with its shards numbered from ``first``; its keys go to ``keys``.
 
     Returns:
         The fragment's bytes, and each local shard number's row group.
@@ -92,24 +94,37 @@ def _renumber(data: bytes, first: int, res: TaskResult, results: list[TaskResult
     with pq.ParquetWriter(buf, schema, compression="zstd") as pw:
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g)
-            for key in table.column("key").to_pylist():
-                if not seen.add(key):
-                    raise SourceError(_repeat(key, res.task, results, store))
             shard = table.column(where)
             if len(shard):
-                groups[int(shard[0].as_py())] = g
+                local = int(shard[0].as_py())
+                groups[local] = g
+                for key in table.column("key").to_pylist():
+                    keys.add(key, local + first)
             table = table.set_column(where, schema.field(where), pc.add(shard, pa.scalar(first, pa.int32())))
             pw.write_table(table, row_group_size=max(1, table.num_rows))
     return buf.getvalue(), groups
 
 
-def _repeat(key: str, part: int, results: list[TaskResult], store: Store) -> str:
-    """The one-line error for ``key`` found twice, naming the parts that hold it."""
-    for other in results:
-        if other.task >= part or not other.shards:
-            continue
-        keys = parquet_file(store.read_bytes(staged_fragment(other.task))).read(columns=["key"]).column("key")
-        if pc.any(pc.equal(keys, key)).as_py():
-            return (f"duplicate key {key!r} in part {other.task} and part {part}: keys must be unique across parts "
-                    "(prefix each part's __key__ with its index, or leave __key__ out)")
-    return f"duplicate key {key!r} in part {part}: keys must be unique across parts"
+def _refuse_repeats(store: Store, keys: KeyLedger, committed: list[TaskResult]) -> None:
+    """Raise SourceError naming a key two parts share, reading back only the keys of the shards
+    the ledger suspects (equal 64-bit hashes)."""
+    where: dict[int, tuple[TaskResult, int]] = {}  # global shard -> (its part, its row group)
+    for res in committed:
+        for rec, group in zip(res.shards, res.row_groups):
+            where[rec.shard] = (res, group)
+    files: dict[str, Any] = {}
+
+    def keys_of(shard: int) -> list[str]:
+        res, group = where[shard]
+        if res.fragment not in files:
+            files[res.fragment] = parquet_file(store.read_bytes(res.fragment), res.fragment)
+        return files[res.fragment].read_row_group(group, columns=["key"]).column(0).to_pylist()
+
+    for a, b in keys.suspects():
+        keys_a = keys_of(a)
+        both = sorted(k for k, n in Counter(keys_a).items() if n > 1) if a == b else sorted(set(keys_a) & set(keys_of(b)))
+        if both:
+            part_a, part_b = where[a][0].task, where[b][0].task
+            pair = f"part {part_a}" if part_a == part_b else f"part {part_a} and part {part_b}"
+            raise SourceError(f"duplicate key {both[0]!r} in {pair}: keys must be unique across parts (prefix each "
+                              "part's __key__ with its index, or leave __key__ out)")
