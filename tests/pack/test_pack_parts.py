@@ -102,15 +102,16 @@ def test_duplicate_key_across_parts_refused_in_one_line(tmp_path):
     assert not (tmp_path / "ds" / "dataset.json").exists()
 
 
-def test_part_error_names_part_and_item(tmp_path):
-    def fn(i: int) -> Any:
-        for j in range(5):
-            if i == 2 and j == 3:
-                raise ValueError("camera offline\nsecond line")
-            yield {"x": j}
+def fails_in_part_2(i: int) -> Any:
+    for j in range(5):
+        if i == 2 and j == 3:
+            raise ValueError("camera offline\nsecond line")
+        yield {"x": j}
 
+
+def test_part_error_names_part_and_item(tmp_path):
     with pytest.raises(SourceError) as err:
-        shardkit.pack(shardkit.Parts(fn, 4), str(tmp_path / "ds"), progress=False)
+        shardkit.pack(shardkit.Parts(fails_in_part_2, 4), str(tmp_path / "ds"), progress=False)
     msg = str(err.value)
     assert msg == "part 2: item 3 (after key '00002-000000002') raised ValueError: camera offline", msg
     with pytest.raises(SourceError, match=r"^part 1: sample '00001-000000000': field 'x' has unsupported type object$"):
@@ -138,6 +139,10 @@ def test_parts_ray_equals_local(ray_local, s3_server, s3_bucket):
     assert ray_info["tasks"] == 5 and ray_info["num_samples"] == 35
     compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local", opts)
     assert stored_samples(f"{s3_bucket}/ray", opts) == expected_samples([make_part(i) for i in range(5)])
+    # A part's own error comes back from its Ray task as the same one line.
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(shardkit.Parts(fails_in_part_2, 3), f"{s3_bucket}/bad", engine="ray", **kw)
+    assert str(err.value) == "part 2: item 3 (after key '00002-000000002') raised ValueError: camera offline"
 
 
 _SCRIPT = """
