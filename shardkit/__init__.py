@@ -32,14 +32,15 @@ _LAZY = {
     "index_tars": ".packing.index",
     "unpack": ".batch.collate",
     "Stream": ".read.stream",
+    "Parts": ".packing.sources.parts",
 }
 
 __all__ = [*_LAZY, "errors", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module(".errors", __name__)
+    if name in ("errors", "ray"):  # shardkit.ray imports Ray only when its Datasink is used
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -22,6 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "packing": {"base", "format", "storage", "read"},
     "datasets": {"base", "format", "storage", "cache", "read", "batch"},
     "dev": {"base", "format", "storage", "cache", "read", "batch", "packing", "datasets"},
+    "ray": {"base", "format", "storage", "read", "packing"},  # shardkit.ray: the Ray Data datasink's public face
     "cli": {"base", "format", "storage", "cache", "read", "batch", "packing", "datasets", "dev"},
 }
 # Modules that may import torch: the torch-facing package, and the demo whose baseline is a

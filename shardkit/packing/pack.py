@@ -7,7 +7,8 @@ an engine runs the tasks (:mod:`shardkit.packing.engines`, each task
 :func:`shardkit.packing.task.run_task`), and the driver alone commits
 (:mod:`shardkit.packing.commit`): ``shards.parquet``, then ``dataset.json`` create-only, so a
 dataset is visible only when complete. An iterable of samples takes its own path
-(:mod:`shardkit.packing.iterable`).
+(:mod:`shardkit.packing.iterable`), and so does a source of parts or a Ray dataset
+(:mod:`shardkit.packing.pack_parts`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from shardkit.packing.destination import (prepare_destination, refuse_committed,
                                           say_replaced, sweep_temp)
 from shardkit.packing.engines import engine_for
 from shardkit.packing.iterable import pack_iterable
+from shardkit.packing.pack_parts import pack_parts
 from shardkit.packing.plan import make_plan
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips
+from shardkit.packing.sources.parts import as_parts
+from shardkit.packing.sources.ray_data import ray_dataset_parts
 from shardkit.packing.task import PackOptions
 from shardkit.packing.transforms import describe_transform
 from shardkit.storage.store import Store
@@ -47,8 +51,10 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     Args:
         source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar, a Zarr
             store, an LMDB environment), a WebDataset tar URL/glob, a Zarr store URL, a
-            :class:`~shardkit.packing.sources.Source`, or an iterable
-            of dicts (packed as it comes, ``engine="local"`` only).
+            :class:`~shardkit.packing.sources.Source`, an iterable of dicts (packed as it comes,
+            ``engine="local"`` only), a :class:`~shardkit.packing.sources.parts.Parts` or a
+            list of iterables or of callables returning them (one task per part, resumed per
+            part), or a ``ray.data.Dataset`` (a part per block).
         dest: any fsspec URL (``s3://bucket/prefix``, a local path, ``memory://...``).
         shard_bytes: target shard size (``"512MB"``); shards close before overflowing it.
         engine: ``"local"`` (in this process) or ``"ray"`` (one Ray task per planned task).
@@ -103,6 +109,12 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     refuse_file_dest(store)
     desc = describe_transform(transform)  # the same in every process: a rerun resumes
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
+    parts = as_parts(source) or ray_dataset_parts(source)
+    if parts is not None:
+        if hdf5_rows is not None or labels_from_dirs:
+            raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
+                              "path, not to parts of samples (give each sample its fields)")
+        return pack_parts(parts, store, opts, overwrite, progress, engine, ray_address)
     if _is_iterable(source):
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")

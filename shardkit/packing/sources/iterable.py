@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -61,7 +61,8 @@ def _encode_value(key: str, field: str, value: Any) -> FieldValue:
 
 
 def samples_from_iterable(items: Iterable[dict[str, Any]],
-                          skipped: list[dict[str, str]] | None = None) -> Iterator[PackSample]:
+                          skipped: list[dict[str, str]] | None = None,
+                          default_key: Callable[[int], str] | None = None) -> Iterator[PackSample]:
     """Validate and encode dict samples; keys default to the running index.
 
     Field names are lowercased, as the webdataset library reads them.
@@ -70,6 +71,7 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
         items: the sample dicts.
         skipped: with ``on_error="skip"``, gets each bad item (left out) as dataset.json's
             ``skipped`` lists bad samples; None raises on the first.
+        default_key: the key of item ``i`` without a ``__key__`` (default: ``i`` in 9 digits).
 
     Yields:
         The samples, in order.
@@ -84,7 +86,7 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
         try:
             if not isinstance(item, dict):
                 raise SourceError(f"item {i} of the iterable is a {type(item).__name__}, expected a dict")
-            raw = item.get("__key__", f"{i:09d}")
+            raw = item.get("__key__", default_key(i) if default_key is not None else f"{i:09d}")
             key = safe_key(str(raw) if not isinstance(raw, bytes) else raw)
             sample = _sample(i, key, raw, item)
             if not seen.add(key):
