@@ -27,7 +27,7 @@ from shardkit.cache.files import FileLock
 from shardkit.config import LOCK_NOTE_SECONDS, LOCK_WAIT_ENV, lock_wait
 from shardkit.errors import CacheLockedError
 
-__all__ = ["Holder", "holders", "wait_lock", "write_owner", "STUCK_REMEMBERED"]
+__all__ = ["Holder", "clear_owner", "holders", "wait_lock", "write_owner", "STUCK_REMEMBERED"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,20 @@ def write_owner(lock: FileLock) -> None:
         os.ftruncate(lock.fd, len(data))
     except OSError:
         pass  # a full or read-only disk: /proc/locks still names the holder
+
+
+def clear_owner(lock: FileLock) -> None:
+    """Empty the owner note :func:`write_owner` left, before the lock is released (best
+    effort): a lock file that stays behind for every shard ever downloaded takes no disk
+    block when it is empty, and the cache's bound does not count it.
+
+    Args:
+        lock: a lock this process holds, its owner note written.
+    """
+    try:
+        os.ftruncate(lock.fd, 0)
+    except OSError:
+        pass  # a read-only disk: the note stays, harmless
 
 
 def _describe(who: list[Holder]) -> str:

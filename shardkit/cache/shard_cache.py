@@ -25,7 +25,7 @@ from shardkit.cache.fill import fill_landing, fill_map, fill_stream
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING
 from shardkit.cache.layout import CacheDir, no_space_errno
-from shardkit.cache.lock_wait import wait_lock, write_owner
+from shardkit.cache.lock_wait import clear_owner, wait_lock, write_owner
 from shardkit.cache.prefetch import Prefetcher
 from shardkit.cache.room import Planned, Room
 from shardkit.cache.schedule import Schedule
@@ -351,6 +351,7 @@ class ShardCache:
                     downloaded = True
                     state, fd = self._open_final(ref, file)
             finally:
+                clear_owner(dl)
                 dl.release()
             if state != "ok":
                 raise IntegrityError(f"shard {ref.name}: verified download vanished from {self._dir.final(file)}")

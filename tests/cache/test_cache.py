@@ -133,6 +133,19 @@ def test_miss_then_hit_stats_and_content(tmp_path: Path) -> None:
             shard.buffer()
 
 
+def test_download_locks_left_behind_take_no_disk(tmp_path: Path) -> None:
+    # A download lock file stays for every shard the node ever fetched (removing it would race
+    # a waiter); the owner note it carries while the download runs must not stay with it, or
+    # each file keeps a disk block outside cache_limit (4 KiB a shard: 400 MB for 100k shards).
+    s = make_store(tmp_path, [MB, MB + 3, 2 * MB])
+    with s.cache(100 * MB) as cache:
+        for ref in s.refs:
+            assert read_ok(cache, ref, s.remote, s.remote)
+    locks = [p for p in Path(s.cache_dir).rglob("*.dl")]
+    assert len(locks) == 3
+    assert [(p.name, p.stat().st_size, p.stat().st_blocks) for p in locks if p.stat().st_size or p.stat().st_blocks] == []
+
+
 def test_shard_invisible_until_verified(tmp_path: Path) -> None:
     s = make_store(tmp_path, [2 * MB])
     ref = s.refs[0]
