@@ -114,7 +114,8 @@ def refuse_committed(store: Store, overwrite: bool) -> None:
             f"another prefix (to drop only the index, delete {store.url_of(DATASET_JSON)} and "
             f"{store.url_of('manifest')}/)")
     if not overwrite:
-        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
+        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --append (append=True) to add this "
+                                 "one as a new version, or --overwrite (overwrite=True) to replace it")
 
 
 def say_replaced(exc: BaseException, store: Store) -> None:
