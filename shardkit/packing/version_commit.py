@@ -31,7 +31,7 @@ from shardkit.read.manifest import read_info, shard_infos
 from shardkit.read.versions import list_versions, marker_name, open_version, shards_file_name
 from shardkit.storage.store import Store
 
-__all__ = ["BaseVersion", "commit_version", "roll_root_forward"]
+__all__ = ["BaseVersion", "commit_version", "put_version", "roll_root_forward"]
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,22 @@ class BaseVersion:
     shards: pa.Table
 
 
-def _put_version(store: Store, number: int, info: dict[str, Any], table_bytes: bytes) -> bytes:
-    """Write version ``number``'s shard table, then its marker create-only; the marker's bytes."""
+def put_version(store: Store, number: int, info: dict[str, Any], table_bytes: bytes) -> bytes:
+    """Write version ``number``'s shard table, then its marker create-only: the commit.
+
+    Args:
+        store: the dataset root.
+        number: the version.
+        info: its dataset.json content (``dataset_version`` and ``shards_file`` are added).
+        table_bytes: its shard table's bytes (stored under a name made of their hash).
+
+    Returns:
+        The marker's bytes.
+
+    Raises:
+        DatasetExistsError: another writer committed this version first (one line).
+        StorageError: a write failed.
+    """
     shards_file = shards_file_name(number, xxhash.xxh3_64_hexdigest(table_bytes))
     store.put_bytes(shards_file, table_bytes)  # named by its content: rewriting it rewrites the same bytes
     marker = dataset_json_bytes({**info, "dataset_version": number, "shards_file": shards_file})
@@ -70,7 +84,7 @@ def _mark_base(store: Store, base: BaseVersion) -> None:
     if base.number != 1 or list_versions(store):
         return
     info = {k: v for k, v in read_info(store).items()}
-    _put_version(store, 1, {**info, "dataset_version": 1}, store.read_bytes(SHARDS_PARQUET))
+    put_version(store, 1, {**info, "dataset_version": 1}, store.read_bytes(SHARDS_PARQUET))
 
 
 def roll_root_forward(store: Store) -> None:
@@ -143,7 +157,7 @@ def commit_version(store: Store, claim: Claim, base: BaseVersion, results: list[
                         {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc,
                                   "fingerprint": fingerprint}})
     number = base.number + 1
-    marker = _put_version(store, number, info, shards_table_bytes(table))
+    marker = put_version(store, number, info, shards_table_bytes(table))
     # Committed: from here on the root follows, for readers that know nothing of versions.
     store.put_bytes(DATASET_JSON, marker)
     store.put_bytes(SHARDS_PARQUET, shards_table_bytes(table))
