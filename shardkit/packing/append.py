@@ -73,7 +73,7 @@ def committed_as(store: Store, fingerprint: str) -> dict[str, Any] | None:
 
 def _latest(store: Store) -> BaseVersion:
     info, shards = open_version(store)
-    return BaseVersion(int(info["dataset_version"]), info, shards)
+    return BaseVersion(int(info.get("dataset_version") or 1), info, shards)
 
 
 def _merged_labels(base: dict[str, Any], new: dict[str, int], url: str) -> dict[str, int]:

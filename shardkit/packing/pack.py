@@ -83,8 +83,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
-        earlier run completed), ``tasks`` and ``up_to_date`` (True when a pack of the same
-        source and options had committed there already: nothing was written).
+        earlier run completed) and ``tasks``; with ``up_to_date=True`` (and ``tasks`` 0) when a
+        pack of the same source and options had committed there already: nothing was written.
 
     Raises:
         ConfigError: a bad option, an engine that is not installed, or a destination nested
@@ -138,10 +138,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             return {**done, "up_to_date": True, "elapsed_seconds": round(time.monotonic() - started, 3),
                     "reused_tasks": 0, "tasks": 0}
     if append and store.exists(DATASET_JSON):
-        return {**append_pack(store, src, items, settings=settings, opts=opts, fingerprint=plan.plan_id,
-                              engine=engine, runner=runner, progress=progress,
-                              listing_skipped=listing.skipped if listing is not None else [], started=started),
-                "up_to_date": False}
+        return append_pack(store, src, items, settings=settings, opts=opts, fingerprint=plan.plan_id,
+                           engine=engine, runner=runner, progress=progress,
+                           listing_skipped=listing.skipped if listing is not None else [], started=started)
     refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
     claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
                                         "task_bytes": opts.task_bytes})
@@ -154,9 +153,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         replaced = prepare_destination(store, claim, overwrite)
         sweep_temp(store)
         results = runner.run(store, src, plan, opts, progress, claim.check)
-        return {**commit_pack(store, claim, results, source=src.describe(), labels=src.labels(), started=started,
-                              engine=engine, opts=opts, listing_skipped=listing.skipped if listing is not None else [],
-                              fingerprint=plan.plan_id), "up_to_date": False}
+        return commit_pack(store, claim, results, source=src.describe(), labels=src.labels(), started=started,
+                           engine=engine, opts=opts, listing_skipped=listing.skipped if listing is not None else [],
+                           fingerprint=plan.plan_id)
     except BaseException as exc:
         claim.release(ended=True)
         if replaced:

@@ -126,7 +126,8 @@ def open_version(store: Store, version: int | None = None) -> tuple[dict[str, An
         version: the version, or None for the latest.
 
     Returns:
-        (info, shards table); ``info["dataset_version"]`` is the version's number.
+        (info, shards table); ``info["dataset_version"]`` is the version's number (absent for
+        a dataset never appended to: version 1).
 
     Raises:
         ConfigError: a bad ``version``.
@@ -139,8 +140,8 @@ def open_version(store: Store, version: int | None = None) -> tuple[dict[str, An
         if version not in (None, 1):
             raise DatasetNotFoundError(f"no version {version}: {_available(store, versions)} (never appended to)")
         info = read_info(store)
-        if int(info.get("dataset_version") or 1) == 1:
-            return {**info, "dataset_version": 1}, read_shards(store)
+        if info.get("dataset_version") in (None, 1):
+            return info, read_shards(store)
         versions = list_versions(store)  # the first append committed between the listing and the read
         if not versions:
             raise ManifestError(f"{store.url_of('dataset.json')} names version {info.get('dataset_version')} but "
