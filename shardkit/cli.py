@@ -121,8 +121,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     _check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     info = dict(ds.info)
+    versions = version_infos(ds.store) if ds.version > 1 else []
     if args.json:
-        info["versions"] = [vars(v) for v in version_infos(ds.store)]
+        if versions:  # a dataset never appended to prints its dataset.json unchanged
+            info["versions"] = [vars(v) for v in versions]
         _print_json(info)
         return 0
     print(f"dataset   {ds.url}")
@@ -130,8 +132,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"shards    {ds.num_shards}")
     print(f"bytes     {human_bytes(info['total_bytes'])}")
     print(f"fields    {', '.join(ds.fields)}")
-    versions = version_infos(ds.store)
-    if len(versions) > 1:
+    if versions:
         print(f"versions  {len(versions)} (latest {ds.version}):")
         for v in versions:
             print(f"  v{v.version}  {v.num_samples} samples  {v.num_shards} shards  {human_bytes(v.total_bytes)}  "
