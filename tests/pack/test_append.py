@@ -264,3 +264,13 @@ def test_version_marker_is_create_only(s3_server, s3_bucket):
     marker = json.loads(store.read_bytes("versions/v000002.json"))
     assert marker["num_samples"] == winners[0]
     assert store.read_bytes(marker["shards_file"]) == f"table {winners[0]}".encode()
+
+
+def test_overwrite_removes_every_version(tmp_path):
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(folder(tmp_path / "a", ["a0", "a1"])), url, progress=False)
+    shardkit.pack(str(folder(tmp_path / "b", ["b0"])), url, progress=False, append=True)
+    info = shardkit.pack(str(folder(tmp_path / "c", ["c0", "c1", "c2"])), url, progress=False, overwrite=True)
+    assert info["num_samples"] == 3 and not (Path(url) / "versions").exists()
+    ds = shardkit.open_dataset(url)
+    assert ds.version == 1 and keys_of(url) == ["c0", "c1", "c2"]
