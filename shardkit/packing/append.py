@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from shardkit.errors import ConfigError, DatasetExistsError, ShardkitError, SourceError
 from shardkit.format.manifest import parquet_file
-from shardkit.packing.claim import Claim
+from shardkit.packing.claim import CLAIM, Claim
 from shardkit.packing.destination import sweep_temp
 from shardkit.packing.plan import PackPlan, ShardSpan, TaskPlan, make_plan
 from shardkit.packing.sources.base import Source, SourceItem
@@ -67,8 +67,23 @@ def committed_as(store: Store, fingerprint: str) -> dict[str, Any] | None:
         if (info.get("pack") or {}).get("fingerprint") == fingerprint:
             if versions:
                 roll_root_forward(store)
+                _drop_committed_claim(store, (info.get("pack") or {}).get("plan_id"))
             return {**info, "dataset_version": number}
     return None
+
+
+def _drop_committed_claim(store: Store, plan_id: Any) -> None:
+    """Remove the claim an append killed after its commit left (its version is committed, so
+    nothing is left to resume); a claim that is still live, or of another plan, stays."""
+    if not isinstance(plan_id, str) or not store.exists(CLAIM):
+        return
+    claim = Claim(store, plan_id, {})
+    try:
+        claim.take(False)  # only a claim of this plan that is no longer live is taken over
+    except DatasetExistsError:
+        return
+    claim.release(ended=False)
+    store.remove("_pack", recursive=True)
 
 
 def _latest(store: Store) -> BaseVersion:

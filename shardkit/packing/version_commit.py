@@ -155,7 +155,7 @@ def commit_version(store: Store, claim: Claim, base: BaseVersion, results: list[
     fields = sorted(set(base.info.get("fields") or []) | {f for res in results for f in res.fields})
     info = dataset_info(table, fields, source, labels, skipped,
                         {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc,
-                                  "fingerprint": fingerprint}})
+                                  "fingerprint": fingerprint, "plan_id": claim.plan_id}})
     number = base.number + 1
     marker = put_version(store, number, info, shards_table_bytes(table))
     # Committed: from here on the root follows, for readers that know nothing of versions.

@@ -23,6 +23,7 @@ import shardkit
 from shardkit.cli import main
 from shardkit.errors import DatasetExistsError, SourceError
 from shardkit.packing.sources.base import SourceItem
+from shardkit.packing.claim import _machine
 from shardkit.packing.sources.files import FolderSource
 from shardkit.packing.version_commit import put_version
 from shardkit.read.versions import list_versions
@@ -141,6 +142,7 @@ def test_rerun_up_to_date_writes_nothing(tmp_path, capsys):
 _KILLED_APPEND = """
 import sys, time
 import shardkit
+from shardkit.packing.claim import _machine
 from shardkit.packing.sources.files import FolderSource
 
 class Slow(FolderSource):
@@ -274,3 +276,57 @@ def test_overwrite_removes_every_version(tmp_path):
     assert info["num_samples"] == 3 and not (Path(url) / "versions").exists()
     ds = shardkit.open_dataset(url)
     assert ds.version == 1 and keys_of(url) == ["c0", "c1", "c2"]
+
+
+def test_append_refused_when_another_commits_between_look_and_claim(tmp_path, monkeypatch):
+    """Another append commits after this one read the latest version but before it claimed the
+    destination: this one must not number its shards on from the old version."""
+    import shardkit.packing.append as append_mod
+
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(folder(tmp_path / "a", ["a0", "a1"])), url, progress=False)
+    other = folder(tmp_path / "c", ["c0", "c1"])
+    real = append_mod.known_keys
+    calls = []
+
+    def known_keys_then_other_commits(*args: Any) -> set[str]:
+        found = real(*args)
+        if not calls:
+            calls.append(1)
+            shardkit.pack(str(other), url, progress=False, append=True)
+        return found
+
+    monkeypatch.setattr(append_mod, "known_keys", known_keys_then_other_commits)
+    with pytest.raises(DatasetExistsError) as err:
+        shardkit.pack(str(folder(tmp_path / "b", ["b0"])), url, progress=False, append=True)
+    assert str(err.value).endswith("version 2 was committed by another pack; rerun to append on top")
+    assert keys_of(url) == ["a0", "a1", "c0", "c1"] and not (Path(url) / "_pack" / "plan.json").exists()
+    monkeypatch.setattr(append_mod, "known_keys", real)
+    assert shardkit.pack(str(tmp_path / "b"), url, progress=False, append=True)["dataset_version"] == 3
+
+
+def test_rerun_after_kill_between_commit_and_root_finishes(tmp_path):
+    """An append killed after its marker (the commit) but before the root files moved and its
+    claim went: the rerun says up to date, moves the root on and removes the claim."""
+    url = Path(tmp_path / "ds")
+    shardkit.pack(str(folder(tmp_path / "a", ["a0", "a1"])), str(url), progress=False)
+    old_root = {rel: (url / rel).read_bytes() for rel in ("dataset.json", "manifest/shards.parquet")}
+    b = folder(tmp_path / "b", ["b0"])
+    shardkit.pack(str(b), str(url), progress=False, append=True)
+    marker = json.loads((url / "versions" / "v000002.json").read_text())
+    for rel, data in old_root.items():  # as the kill left it: root still at version 1, claim there
+        (url / rel).write_bytes(data)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid on this machine whose process is gone, as after a SIGKILL
+    (url / "_pack").mkdir()
+    (url / "_pack" / "plan.json").write_text(json.dumps({
+        "plan_id": marker["pack"]["plan_id"], "token": "killed", "started": time.time(), "heartbeat": time.time(),
+        "ended": None, "host": "here", "pid": dead.pid, "machine": _machine(), "settings": {}}))
+    again = shardkit.pack(str(b), str(url), progress=False, append=True)
+    assert again["up_to_date"] is True and again["dataset_version"] == 2
+    assert json.loads((url / "dataset.json").read_text())["dataset_version"] == 2
+    assert (url / "manifest" / "shards.parquet").read_bytes() == (url / marker["shards_file"]).read_bytes()
+    assert not (url / "_pack").exists()
+    # Nothing is left in the way of the next append.
+    assert shardkit.pack(str(folder(tmp_path / "c", ["c0"])), str(url), progress=False,
+                         append=True)["dataset_version"] == 3
