@@ -88,3 +88,10 @@ def test_state_names_its_version(tmp_path, v1):
     again.load_state_dict(state)
     rest = [k for batch in again for k in batch["__key__"]]
     assert sorted(first + rest) == A
+
+
+def test_shard_dataset_opens_a_version(tmp_path, v1):
+    _append(tmp_path, v1)
+    assert len(shardkit.ShardDataset(v1)) == 18
+    old = shardkit.ShardDataset(v1, version=1)
+    assert len(old) == 12 and old[11]["__key__"] == A[-1]
