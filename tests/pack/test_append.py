@@ -235,6 +235,19 @@ def test_racing_appends_exactly_one_commits(tmp_path, s3_server, s3_bucket):
         ds = shardkit.open_dataset(url, storage_options=opts, version=version)
         assert ds.num_samples == n
         ds.verify(deep=True)
+    # A rerun of either append writes nothing: every object keeps its ETag and modification time.
+    fs = s3_server.filesystem()
+
+    def objects() -> dict[str, tuple[str, Any]]:
+        fs.invalidate_cache()
+        return {p: (i["ETag"], i["LastModified"]) for p, i in fs.find(url[5:], detail=True).items()}
+
+    before = objects()
+    for name in sources:
+        again = shardkit.pack(str(sources[name]), url, shard_samples=2, storage_options=opts, progress=False,
+                              append=True)
+        assert again["up_to_date"] is True
+    assert objects() == before
 
 
 @pytest.mark.s3
