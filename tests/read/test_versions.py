@@ -58,9 +58,10 @@ def test_open_latest_or_version(tmp_path, v1):
     assert info["dataset_version"] == 2 and count_faults(info, shards) == []
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stream_keeps_its_version_while_next_commits(tmp_path, v1, workers):
-    stream = shardkit.StreamingDataset(v1, batch_size=2)
+@pytest.mark.parametrize("workers,cached", [(0, False), (2, False), (0, True)])
+def test_stream_keeps_its_version_while_next_commits(tmp_path, v1, workers, cached):
+    cache = str(tmp_path / "cache") if cached else None
+    stream = shardkit.StreamingDataset(v1, batch_size=2, cache_dir=cache)
     loader = shardkit.StreamingDataLoader(stream, num_workers=workers, persistent_workers=workers > 0)
     seen: list[str] = []
     for step, batch in enumerate(loader):
@@ -70,7 +71,8 @@ def test_stream_keeps_its_version_while_next_commits(tmp_path, v1, workers):
     assert sorted(seen) == A  # the rest of version 1, nothing of version 2
     stream.set_epoch(1)
     assert sorted(k for batch in loader for k in batch["__key__"]) == A  # later epochs too
-    assert sorted(k for batch in shardkit.StreamingDataset(v1, batch_size=2) for k in batch["__key__"]) == sorted(A + B)
+    latest = shardkit.StreamingDataset(v1, batch_size=2, cache_dir=cache)
+    assert sorted(k for batch in latest for k in batch["__key__"]) == sorted(A + B)
 
 
 def test_state_names_its_version(tmp_path, v1):
