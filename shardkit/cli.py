@@ -93,9 +93,12 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                 shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
                 overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
                 hdf5_rows=args.hdf5_rows, zarr_rows=args.zarr_rows, lmdb_field=args.lmdb_field,
-                progress=not (args.json or args.quiet))
+                progress=not (args.json or args.quiet), append=args.append)
     if args.json:
         _print_json(info)
+    elif info.get("up_to_date"):
+        print(f"up to date: {args.dest} version {info.get('dataset_version', 1)} was packed from this source with these "
+              "options; nothing written")
     else:
         rate = info["total_bytes"] / max(info["elapsed_seconds"], 1e-9) / 1e6
         print(f"packed {info['num_samples']} samples into {info['num_shards']} shards "
@@ -114,10 +117,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     """``shardkit info``: :func:`shardkit.read.dataset.open_dataset`, summarised (or ``--json``)."""
     from shardkit.read.dataset import open_dataset
 
+    from shardkit.read.versions import version_infos
+
     _check_scheme(args.dest, "DEST")
     ds = open_dataset(args.dest)
     info = dict(ds.info)
+    versions = version_infos(ds.store) if ds.version > 1 else []
     if args.json:
+        if versions:  # a dataset never appended to prints its dataset.json unchanged
+            info["versions"] = [vars(v) for v in versions]
         _print_json(info)
         return 0
     print(f"dataset   {ds.url}")
@@ -125,6 +133,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"shards    {ds.num_shards}")
     print(f"bytes     {human_bytes(info['total_bytes'])}")
     print(f"fields    {', '.join(ds.fields)}")
+    if versions:
+        print(f"versions  {len(versions)} (latest {ds.version}):")
+        for v in versions:
+            print(f"  v{v.version}  {v.num_samples} samples  {v.num_shards} shards  {human_bytes(v.total_bytes)}  "
+                  f"committed {v.created}")
     if ds.labels:
         shown = ", ".join(f"{k}={v}" for k, v in list(ds.labels.items())[:20])
         print(f"labels    {len(ds.labels)}: {shown}{' ...' if len(ds.labels) > 20 else ''}")
@@ -243,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace an existing dataset at DEST; the old one is removed when the pack starts (after "
                          "options, source and plan are checked), so a pack that fails leaves none; to keep it "
                          "readable until the new one is done, pack to a new prefix and switch to it")
+    pk.add_argument("--append", action="store_true",
+                    help="add the source to the dataset at DEST as a new version (keys must be new)")
     pk.add_argument("--json", action="store_true")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(func=_cmd_pack)

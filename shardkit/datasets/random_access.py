@@ -77,6 +77,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             repeated random access over a dataset that fits the cache).
         transport: ``"auto"`` (boto3 for S3, else fsspec), ``"boto3"`` or ``"fsspec"``.
         max_open_shards: cached shards kept mapped (and pinned against eviction) per process.
+        version: the dataset version (None: the latest when it is made; see
+            :mod:`shardkit.read.versions`).
 
     Raises:
         ConfigError: a bad option (``concurrency`` or ``max_open_shards`` below 1,
@@ -88,7 +90,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                  decode: str | Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: dict[str, Any] | None = None, part_size: int | str = "16MB",
                  concurrency: int = 8, *, cache_shards: bool = False, transport: Transport = "auto",
-                 max_open_shards: int = 4) -> None:
+                 max_open_shards: int = 4, version: int | None = None) -> None:
         # Every option checked before any I/O, each error naming it (a float, a str, nan).
         concurrency = int_arg("concurrency", concurrency, 1)
         max_open_shards = int_arg("max_open_shards", max_open_shards, 1)
@@ -97,7 +99,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.cache_dir = checked_cache_dir(cache_dir)
         self.cache_limit = parse_size(cache_limit, "cache_limit")
         self.part_size = parse_size(part_size, "part_size")
-        self.ds = Dataset(url, storage_options)
+        self.ds = Dataset(url, storage_options, version=version)
         self.url = self.ds.url
         # As StreamingDataset: manifests bounded in memory, copies local, with or without a cache.
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))

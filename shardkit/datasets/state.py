@@ -45,7 +45,7 @@ def make_state(ds: Dataset, *, epoch: int, seed: int, shuffle: bool, shuffle_blo
     """
     return {
         "version": STATE_VERSION, "dataset": ds.url, "created": ds.info.get("created"),
-        "fingerprint": ds.fingerprint,
+        "fingerprint": ds.fingerprint, "dataset_version": ds.version,
         "num_samples": ds.num_samples, "epoch": epoch, "seed": seed, "shuffle": shuffle,
         "shuffle_block": shuffle_block, "drop_last": drop_last, "world_size": world_size,
         "remaining": [list(r) for r in remaining],
@@ -163,6 +163,11 @@ def _check_same_data(state: dict[str, Any], ds: Dataset) -> None:
     states had one is compared by its dataset's ``created`` time. A state with
     neither names no data, and is refused."""
     fingerprint, created = state.get("fingerprint"), state.get("created")
+    saved_version = state.get("dataset_version")  # states from before versions lack it
+    if _is_int(saved_version) and saved_version != ds.version and state.get("dataset") in (None, ds.url):
+        raise ConfigError(f"state_dict: saved on version {saved_version} of {ds.url}, but this stream opened version "
+                          f"{ds.version}; open it with version={saved_version} to resume there, or start this "
+                          "epoch afresh without load_state_dict")
     if fingerprint is not None:
         if not isinstance(fingerprint, str):
             raise ConfigError(f"state_dict: fingerprint must be a string, got {type(fingerprint).__name__}")

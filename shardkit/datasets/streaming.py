@@ -116,6 +116,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             worker) to Prometheus on this port, served by the first process of the node that
             takes it (default: ``SHARDKIT_METRICS_PORT``, else off; needs ``prometheus_client``).
             See :mod:`shardkit.datasets.metrics`.
+        version: the dataset version to stream (see :mod:`shardkit.read.versions`); None: the
+            latest committed when the stream is made. The stream keeps reading that version
+            while later ones are appended, and its state loads only on that version.
 
     Raises:
         ConfigError: a bad option (a number out of range, ``zero_copy`` without what it needs,
@@ -139,7 +142,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  storage_options: dict[str, Any] | None = None, *, shuffle_block: int = DEFAULT_BLOCK_SHARDS,
                  loader_batch_size: int | None = None, prefetch: int | None = None, verify: bool = True,
                  read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
-                 world_size: int | None = None, metrics_port: int | None = None) -> None:
+                 world_size: int | None = None, metrics_port: int | None = None, version: int | None = None) -> None:
         # Numbers checked before any I/O, each with its own name (a str from an argument
         # parser would otherwise fail as a bare TypeError, a float in an internal name later).
         batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
@@ -150,7 +153,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         world_size = None if world_size is None else int_arg("world_size", world_size, 1)
         rank = None if rank is None else int_arg("rank", rank, 0)
         cache_limit = parse_size(cache_limit, "cache_limit")  # nan, inf or "-5MB": a ConfigError naming it
-        self.ds = Dataset(url, storage_options)
+        self.ds = Dataset(url, storage_options, version=version)  # the version is fixed for the stream's life
         self.url = self.ds.url
         self.cache_dir = checked_cache_dir(cache_dir)
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards

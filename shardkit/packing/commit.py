@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source: dict[str, Any],
                 labels: dict[str, int] | None, started: float, engine: str, opts: PackOptions,
-                listing_skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
+                listing_skipped: list[dict[str, str]] | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     """Commit a pack whose every task is done, and release its claim.
 
     Args:
@@ -39,6 +39,8 @@ def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source
         engine: the engine's name, recorded in dataset.json.
         opts: the pack's options.
         listing_skipped: inputs the source left out while listing (``on_error="skip"``).
+        fingerprint: the source listing and options' fingerprint, recorded so that a rerun of
+            the same pack finds it committed (:func:`~shardkit.packing.append.committed_as`).
 
     Returns:
         The dataset.json content, with ``elapsed_seconds``, ``reused_tasks`` and ``tasks``.
@@ -62,7 +64,8 @@ def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source
     fields = sorted({f for res in results for f in res.fields})
     skipped = [*(listing_skipped or []), *(s for res in results for s in res.skipped)]
     info = dataset_info(table, fields, source, labels, skipped,
-                        {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc}})
+                        {"pack": {"engine": engine, "shard_bytes": opts.shard_bytes, "transform": opts.transform_desc,
+                                  **({"fingerprint": fingerprint} if fingerprint else {})}})
     put_dataset_json(store, info)
     claim.release(ended=False)  # stop the heartbeat first: a late refresh would recreate the claim
     store.remove("_pack", recursive=True)

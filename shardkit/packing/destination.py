@@ -1,9 +1,10 @@
 """Keeping a pack's destination safe: refusing destinations a pack must not write to, clearing
 what an earlier pack left before writing, and sweeping strays before the commit.
 
-A pack writes only under ``shards/``, ``manifest/`` and ``_pack/`` of its destination, and only
-deletes there what shardkit wrote: objects that no shardkit pack left (someone's own tars, an
-index of existing tars) are refused, not deleted, unless the user passes ``overwrite``.
+A pack writes only under ``shards/``, ``manifest/``, ``versions/`` (an append) and ``_pack/`` of
+its destination, and only deletes there what shardkit wrote: objects that no shardkit pack left
+(someone's own tars, an index of existing tars) are refused, not deleted, unless the user passes
+``overwrite``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from shardkit.util.procs import pid_alive
 from shardkit.errors import ConfigError, DatasetExistsError, ShardkitError
 from shardkit.format.manifest import DATASET_JSON, SHARDS_PARQUET
 from shardkit.read.manifest import read_info
+from shardkit.read.versions import VERSIONS
 from shardkit.packing.claim import CLAIM, Claim
 from shardkit.storage.store import Store
 
@@ -114,7 +116,8 @@ def refuse_committed(store: Store, overwrite: bool) -> None:
             f"another prefix (to drop only the index, delete {store.url_of(DATASET_JSON)} and "
             f"{store.url_of('manifest')}/)")
     if not overwrite:
-        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --overwrite (overwrite=True) to replace it")
+        raise DatasetExistsError(f"{store.url} already holds a dataset; pass --append (append=True) to add this "
+                                 "one as a new version, or --overwrite (overwrite=True) to replace it")
 
 
 def say_replaced(exc: BaseException, store: Store) -> None:
@@ -169,7 +172,10 @@ def prepare_destination(store: Store, claim: Claim, overwrite: bool, resumable: 
         _refuse_foreign(store, claim)
     if committed or (overwrite and not claim.resumed) or not resumable:
         try:
-            store.remove(DATASET_JSON)  # uncommit first, so nobody reads a half-replaced dataset
+            # Uncommit first, so nobody reads a half-replaced dataset: the version markers (what
+            # version-aware readers open), then dataset.json.
+            store.remove(VERSIONS, recursive=True)
+            store.remove(DATASET_JSON)
             for prefix in ("shards", "manifest"):
                 store.remove(prefix, recursive=True)
             for rel in store.listing("_pack"):

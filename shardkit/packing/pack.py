@@ -18,6 +18,8 @@ from typing import Any
 
 from shardkit.config import DEFAULT_SHARD_BYTES, DEFAULT_TASK_BYTES, parse_size
 from shardkit.errors import ConfigError, SourceError
+from shardkit.format.manifest import DATASET_JSON
+from shardkit.packing.append import append_pack, committed_as
 from shardkit.packing.claim import Claim
 from shardkit.packing.commit import commit_pack
 from shardkit.packing.destination import (prepare_destination, refuse_committed, refuse_file_dest, refuse_nested,
@@ -41,12 +43,14 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          shard_samples: int | None = None, labels_from_dirs: bool = False, on_error: str = "raise",
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
-         progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None) -> dict[str, Any]:
+         progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None,
+         append: bool = False) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
-    are complete are kept (same source, same options). At most one pack writes to a
-    destination at a time.
+    are complete are kept (same source, same options). A rerun of a pack that committed (same
+    source listing, same options) writes nothing and returns ``up_to_date=True``. At most one
+    pack writes to a destination at a time.
 
     Args:
         source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar, a Zarr
@@ -84,18 +88,25 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             (default: each array is a sample).
         lmdb_field: for an LMDB source, the field each value is packed as, a decoder hint
             (``"jpg"``; default ``"bin"``).
+        append: pack the source as the next version of the dataset at ``dest``
+            (:mod:`shardkit.packing.append`): new shards beside the old ones, keys already in
+            the dataset refused (or skipped with ``on_error="skip"``), committed atomically; on
+            an empty ``dest`` it is a plain pack (version 1).
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
-        earlier run completed) and ``tasks``.
+        earlier run completed) and ``tasks``; with ``up_to_date=True`` (and ``tasks`` 0) when a
+        pack of the same source and options had committed there already: nothing was written.
 
     Raises:
         ConfigError: a bad option, an engine that is not installed, or a destination nested
             with the source.
         SourceNotFoundError: the source does not exist.
         SourceError: a bad input (``on_error="raise"``), or an empty source.
-        DatasetExistsError: ``dest`` holds a dataset (and not ``overwrite``), an index of
-            existing tars, objects shardkit did not write, or another pack is writing there.
+        DatasetExistsError: ``dest`` holds a dataset made from another source or options (and
+            neither ``overwrite`` nor ``append``), an index of existing tars, objects shardkit
+            did not write, or another pack is writing there (or committed the version an
+            append was making).
         StorageError: reading or writing storage failed.
     """
     runner = engine_for(engine, ray_address)
@@ -109,18 +120,27 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     refuse_file_dest(store)
     desc = describe_transform(transform)  # the same in every process: a rerun resumes
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
+    if append and overwrite:
+        raise ConfigError("append and overwrite exclude each other: append adds a version, overwrite replaces the "
+                          "dataset")
+    given = [name for name, value in (("hdf5_rows", hdf5_rows), ("zarr_rows", zarr_rows),
+                                      ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None))
+             if value is not None]
     parts = as_parts(source) or ray_dataset_parts(source)
     if parts is not None:
-        if hdf5_rows is not None or labels_from_dirs:
-            raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
-                              "path, not to parts of samples (give each sample its fields)")
+        if append:
+            raise ConfigError("append: parts of samples cannot be appended yet (they cannot be listed ahead to check "
+                              "their keys); write them to files and append those")
+        if given:
+            raise ConfigError(f"{given[0]}: applies to a source path, not to parts of samples (give each sample its "
+                              "fields)")
         return pack_parts(parts, store, opts, overwrite, progress, engine, ray_address)
     if _is_iterable(source):
+        if append:
+            raise ConfigError("append: an iterable source cannot be appended (it cannot be listed ahead to check its "
+                              "keys); write it to files and append those")
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
-        given = [name for name, value in (("hdf5_rows", hdf5_rows), ("zarr_rows", zarr_rows),
-                                          ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None))
-                 if value is not None]
         if given:
             raise ConfigError(f"{given[0]}: applies to a source path, not to an iterable of samples (give each sample "
                               "its fields)")
@@ -137,6 +157,15 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     settings: dict[str, Any] = {"on_error": on_error, "transform": desc, "source": src.describe()}
     plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
                      options=settings)
+    if not overwrite:
+        done = committed_as(store, plan.plan_id)
+        if done is not None:  # the same source and options committed here already: nothing to write
+            return {**done, "up_to_date": True, "elapsed_seconds": round(time.monotonic() - started, 3),
+                    "reused_tasks": 0, "tasks": 0}
+    if append and store.exists(DATASET_JSON):
+        return append_pack(store, src, items, settings=settings, opts=opts, fingerprint=plan.plan_id,
+                           engine=engine, runner=runner, progress=progress,
+                           listing_skipped=listing.skipped if listing is not None else [], started=started)
     refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
     claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
                                         "task_bytes": opts.task_bytes})
@@ -150,7 +179,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         sweep_temp(store)
         results = runner.run(store, src, plan, opts, progress, claim.check)
         return commit_pack(store, claim, results, source=src.describe(), labels=src.labels(), started=started,
-                           engine=engine, opts=opts, listing_skipped=listing.skipped if listing is not None else [])
+                           engine=engine, opts=opts, listing_skipped=listing.skipped if listing is not None else [],
+                           fingerprint=plan.plan_id)
     except BaseException as exc:
         claim.release(ended=True)
         if replaced:

@@ -20,10 +20,11 @@ import xxhash
 from shardkit.errors import IntegrityError, ManifestError, ShardkitError, first_line
 from shardkit.format.manifest import SAMPLE_COLUMNS, parquet_file
 from shardkit.read.decode import Decoder, make_decoder
-from shardkit.read.manifest import check_same_pack, count_faults, manifest_faults, read_info, read_shards, shard_infos
+from shardkit.read.manifest import check_same_pack, count_faults, manifest_faults, shard_infos
 from shardkit.read.manifest_copies import copy_path, keep_copy, open_copy
 from shardkit.read.rows import ShardInfo, ShardRows, check_spans
 from shardkit.read.samples import sample_dicts
+from shardkit.read.versions import open_version
 from shardkit.read.verify import (
     check_shard_bytes,
     missing_samples_files,
@@ -64,18 +65,20 @@ class Dataset:
         store: an open store on the dataset root, instead of ``url`` and its options.
         strict: refuse a dataset whose dataset.json disagrees with shards.parquet; ``False``
             opens one anyway, for :meth:`verify`, which reports it (readers refuse one).
+        version: the version to open (:mod:`shardkit.read.versions`); None opens the latest
+            committed now. The version is fixed from then on: a later append is not seen.
 
     Raises:
-        DatasetNotFoundError: there is no committed dataset at ``url``.
+        ConfigError: a bad ``version``.
+        DatasetNotFoundError: there is no committed dataset at ``url``, or no such version.
         ManifestError: the manifest is unreadable, or (``strict``) its parts disagree.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, store: Store | None = None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, version: int | None = None) -> None:
         self.store = store or Store(url, storage_options)
         self.url = self.store.url
-        self.info = read_info(self.store)
-        self.shards: pa.Table = read_shards(self.store)
+        self.info, self.shards = open_version(self.store, version)
         faults = count_faults(self.info, self.shards)
         if strict and faults:
             raise ManifestError(f"{self.url}: {faults[0]} (shardkit verify lists every fault)")
@@ -105,6 +108,11 @@ class Dataset:
         self._samples = None
         self._identity = None
         self.manifest_cache = state.get("manifest_cache")
+
+    @property
+    def version(self) -> int:
+        """The version opened (1 for a dataset never appended to)."""
+        return int(self.info.get("dataset_version") or 1)
 
     @property
     def num_samples(self) -> int:
@@ -370,8 +378,9 @@ class Dataset:
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
 
 
-def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, strict: bool = True) -> Dataset:
-    """Open a committed dataset for manifest access.
+def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, strict: bool = True,
+                 version: int | None = None) -> Dataset:
+    """Open a committed dataset (its latest version, or ``version``) for manifest access.
 
     Args:
         url: the dataset root (a local path or an fsspec URL such as ``s3://bucket/ds``).
@@ -379,12 +388,14 @@ def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, str
         strict: refuse a dataset whose dataset.json's counts disagree with shards.parquet;
             ``False`` opens it anyway, to run :meth:`Dataset.verify`, which lists that among
             its faults.
+        version: the version to open; None opens the latest (see :class:`Dataset`).
 
     Returns:
         The dataset.
 
     Raises:
-        DatasetNotFoundError: there is no committed dataset at ``url``.
+        ConfigError: a bad ``version``.
+        DatasetNotFoundError: there is no committed dataset at ``url``, or no such version.
         ManifestError: the manifest is unreadable, or (``strict``) its parts disagree.
     """
-    return Dataset(url, storage_options, strict=strict)
+    return Dataset(url, storage_options, strict=strict, version=version)

@@ -25,11 +25,13 @@ __all__ = ["check_same_pack", "count_faults", "manifest_faults", "read_info", "r
 _SHARD_COLUMNS = ("shard", "path", "num_samples", "bytes", "first_sample", "checksum")
 
 
-def read_info(store: Store) -> dict[str, Any]:
-    """The dataset's ``dataset.json`` (its commit marker).
+def read_info(store: Store, rel: str = DATASET_JSON) -> dict[str, Any]:
+    """The dataset's ``dataset.json`` (its commit marker), or a version's marker.
 
     Args:
         store: the dataset root.
+        rel: the file to read: ``dataset.json``, or a version's marker
+            (:mod:`shardkit.read.versions`).
 
     Returns:
         The parsed object.
@@ -39,7 +41,10 @@ def read_info(store: Store) -> dict[str, Any]:
             seems unfinished).
         ManifestError: it is not valid JSON, not a shardkit dataset.json, or of another version.
     """
-    if not store.exists(DATASET_JSON):
+    if rel != DATASET_JSON:
+        if not store.exists(rel):
+            raise DatasetNotFoundError(f"no shardkit dataset version at {store.url_of(rel)}: the file is missing")
+    elif not store.exists(DATASET_JSON):
         if store.is_object_store:
             bucket = store.bucket_key("")[0]
             if not store.call(lambda: store.fs.exists(bucket), bucket):
@@ -47,18 +52,18 @@ def read_info(store: Store) -> dict[str, Any]:
                                            f"at {store.where}")
         hint = " (an interrupted or unfinished pack?)" if store.exists(SHARDS_PARQUET) or store.exists("shards") else ""
         raise DatasetNotFoundError(f"no shardkit dataset at {store.url}: dataset.json is missing{hint}")
-    raw = store.read_checked(DATASET_JSON)
+    raw = store.read_checked(rel)
     try:
         info = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser goes
-        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not valid JSON: {first_line(exc)}") from exc
+        raise ManifestError(f"{store.url_of(rel)} is not valid JSON: {first_line(exc)}") from exc
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)} is not a shardkit dataset.json")
+        raise ManifestError(f"{store.url_of(rel)} is not a shardkit dataset.json")
     if info.get("version") != VERSION:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
+        raise ManifestError(f"{store.url_of(rel)}: unsupported format version {info.get('version')!r} (this shardkit reads {VERSION})")
     bad = _bad_entry(info)
     if bad:
-        raise ManifestError(f"{store.url_of(DATASET_JSON)}: {bad}; re-pack, or restore the file the pack wrote")
+        raise ManifestError(f"{store.url_of(rel)}: {bad}; re-pack, or restore the file the pack wrote")
     return info
 
 
@@ -82,11 +87,12 @@ def _bad_entry(info: dict[str, Any]) -> str | None:
     return None
 
 
-def read_shards(store: Store) -> pa.Table:
-    """The dataset's ``manifest/shards.parquet``, one row per shard.
+def read_shards(store: Store, rel: str = SHARDS_PARQUET) -> pa.Table:
+    """The dataset's ``manifest/shards.parquet`` (or a version's copy), one row per shard.
 
     Args:
         store: the dataset root.
+        rel: the file to read (a version's shard table: :mod:`shardkit.read.versions`).
 
     Returns:
         The table, with at least the format v1 columns.
@@ -94,14 +100,14 @@ def read_shards(store: Store) -> pa.Table:
     Raises:
         ManifestError: it is unreadable or lacks a v1 column.
     """
-    data = store.read_checked(SHARDS_PARQUET)
+    data = store.read_checked(rel)
     try:
-        table = parquet_file(data, store.url_of(SHARDS_PARQUET)).read(use_threads=False)
+        table = parquet_file(data, store.url_of(rel)).read(use_threads=False)
     except (pa.ArrowException, OSError) as exc:
-        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} is unreadable ({first_line(exc)})") from exc
+        raise ManifestError(f"{store.url_of(rel)} is unreadable ({first_line(exc)})") from exc
     missing = [n for n in _SHARD_COLUMNS if n not in table.column_names]
     if missing:
-        raise ManifestError(f"{store.url_of(SHARDS_PARQUET)} lacks columns {missing}")
+        raise ManifestError(f"{store.url_of(rel)} lacks columns {missing}")
     return table
 
 
