@@ -37,6 +37,7 @@ class Requirement:
 
 OPTIONAL_SOURCES: dict[str, Requirement] = {
     "hdf5": Requirement("Hdf5Source", "h5py", "hdf5"),
+    "hf": Requirement("HfSource", "datasets", "hf"),
 }
 
 

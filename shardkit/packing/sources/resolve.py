@@ -18,6 +18,7 @@ from shardkit.packing.sources.filelist import FileListSource
 from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.storage.urls import refuse_url_credentials
 
@@ -30,10 +31,11 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
                    hdf5_rows: str | None = None) -> Source:
-    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
+    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar, .tfrecord) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
-    (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
+    (``.tar`` files beside any other file are refused as ambiguous); only TFRecords -> TFRecords
+    (also on URLs: a ``*.tfrecord`` file or glob); only ``.npy``/``.npz`` ->
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
     ``labels_from_dirs``). Only names and sizes are looked at.
 
@@ -123,6 +125,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
         return WdsTarSource(text, storage_options=storage_options)
     if "://" in text and not text.startswith("file://"):
+        if is_tfrecord_name(text):  # a TFRecord file, or a glob of them (s3://b/train/*.tfrecord)
+            return TfRecordSource(text, storage_options=storage_options)
         if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
                 return WdsTarSource(text, storage_options=storage_options)
         raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
@@ -142,9 +146,14 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
             return NpySource([str(path)])
         if suffix == ".tar":
                 return WdsTarSource(str(path))
+        if is_tfrecord_name(path.name):
+            return TfRecordSource(str(path))
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
+    names = [p.name for p in _files(path)]
+    if names and all(is_tfrecord_name(n) for n in names):
+        return TfRecordSource(str(path))
     suffixes = {p.suffix.lower() for p in _files(path)}
     if not suffixes:
         raise SourceError(f"source {path} holds no files")
