@@ -12,12 +12,16 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
 from shardkit.packing.sources.base import Source
 from shardkit.packing.sources.filelist import FileListSource
 from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.table import TABLE_SUFFIXES, TableSource, payload_columns_of
 from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.storage.urls import refuse_url_credentials
@@ -30,7 +34,7 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
-                   hdf5_rows: str | None = None) -> Source:
+                   hdf5_rows: str | None = None, payload_columns: str | dict[str, str] | None = None) -> Source:
     """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar, .tfrecord) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
@@ -44,6 +48,8 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         labels_from_dirs: read a folder as an ImageFolder.
         storage_options: fsspec options for a remote source.
         hdf5_rows: for an HDF5 source, the datasets whose rows are the samples.
+        payload_columns: for a table (Parquet/Arrow rows holding the payload), column -> field
+            of its binary columns (``"img:jpg"``); also picks a table over a file list.
 
     Returns:
         The source.
@@ -52,10 +58,14 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
         SourceError: a type of input no source reads (a remote path that is no tar, a file
             type, a folder of tars and other files, an empty folder).
-        ConfigError: ``hdf5_rows`` for a source that is not HDF5 (not silently ignored), or
-            credentials in a URL.
+        ConfigError: ``hdf5_rows`` for a source that is not HDF5, or ``payload_columns`` for one
+            that is no table (not silently ignored), or credentials in a URL.
     """
-    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
+                   payload_columns=payload_columns)
+    if payload_columns is not None and not isinstance(src, TableSource):
+        raise ConfigError(f"payload_columns (--payload-columns) applies to Parquet/Arrow table sources only; "
+                          f"{source} is a {src.describe().get('type', type(src).__name__)} source")
     if hdf5_rows is not None:
         if not isinstance(src, Hdf5Source):
             raise ConfigError(f"hdf5_rows (--hdf5-rows {hdf5_rows}) applies to HDF5 sources only; "
@@ -101,6 +111,25 @@ def _mixed_tars(path: Path) -> str:
             "a folder of their own")
 
 
+# What Hugging Face's ``save_to_disk`` writes beside its ``.arrow`` files.
+_HF_SIDECARS = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+
+
+def _table_folder(path: Path, suffixes: set[str], payload_columns: str | dict[str, str] | None) -> bool:
+    """Whether a folder is a table split in files: only Parquet/Arrow files (and Hugging
+    Face's own ``.json`` files), the first of which holds binary columns (or
+    ``payload_columns`` says so)."""
+    files = sorted(p for p in _files(path) if p.name not in _HF_SIDECARS)
+    if not files or not all(p.suffix.lower() in TABLE_SUFFIXES for p in files):
+        return False
+    if payload_columns is not None or files[0].suffix.lower() in (".arrow", ".feather"):
+        return True
+    try:
+        return bool(payload_columns_of(pq.read_schema(files[0])))
+    except Exception:  # noqa: BLE001 - not a readable Parquet file: packed as the folder it is
+        return False
+
+
 def _local_glob(pattern: Path) -> Source:
     """WebDataset tars matching a local glob (``dir/shard-*.tar``), read as a glob of
     ``s3://`` tars is; anything else it matches is refused, not read as a tar."""
@@ -114,8 +143,27 @@ def _local_glob(pattern: Path) -> Source:
     return WdsTarSource(str(pattern))
 
 
+def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> Source:
+    """A Parquet file's rows as a table (binary columns: the payload is in it) or as a file
+    list (a ``path`` column of strings naming files), by its schema alone."""
+    try:
+        schema = pq.read_schema(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
+        raise SourceError(f"cannot read Parquet file {path}: {exc}") from exc
+    payload = payload_columns_of(schema)
+    if payload_columns is not None or (payload and "path" not in schema.names):
+        return TableSource(path, payload_columns=payload_columns)
+    if payload and pa.types.is_string(schema.field("path").type):
+        raise SourceError(f"source {path} has both a 'path' column of strings (a file list) and binary column(s) "
+                          f"{payload} (a table holding the payload): pass --payload-columns (payload_columns=) to pack "
+                          "it as a table, or drop the binary columns to pack it as a file list")
+    if payload:
+        return TableSource(path)
+    return FileListSource(path)
+
+
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
-             hdf5_rows: str | None) -> Source:
+             hdf5_rows: str | None, payload_columns: str | dict[str, str] | None = None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
         return source
     if not isinstance(source, (str, os.PathLike)):
@@ -138,7 +186,11 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         raise SourceNotFoundError(f"source {path} does not exist")
     suffix = path.suffix.lower()
     if path.is_file():
-        if suffix in (".csv", ".parquet", ".pq"):
+        if suffix in (".parquet", ".pq"):
+            return _table_or_list(path, payload_columns)
+        if suffix in (".arrow", ".feather"):
+            return TableSource(path, payload_columns=payload_columns)
+        if suffix == ".csv":
             return FileListSource(path)
         if suffix in _HDF5:
             return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
@@ -161,6 +213,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         if suffixes != {".tar"}:
             raise SourceError(_mixed_tars(path))
         return WdsTarSource(str(path))
+    if suffixes & set(TABLE_SUFFIXES) and _table_folder(path, suffixes, payload_columns):
+        return TableSource(path, payload_columns=payload_columns)
     if suffixes <= {".npy", ".npz"}:
         return NpySource(str(path))
     if suffixes <= set(_HDF5):
