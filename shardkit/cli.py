@@ -92,7 +92,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     info = pack(args.source, args.dest, shard_bytes=shard_bytes, engine=args.engine,
                 shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
                 overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
-                hdf5_rows=args.hdf5_rows, progress=not (args.json or args.quiet))
+                hdf5_rows=args.hdf5_rows, progress=not (args.json or args.quiet),
+                payload_columns=args.payload_columns)
     if args.json:
         _print_json(info)
     else:
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     pk = sub.add_parser("pack", help="pack a source into a dataset")
-    pk.add_argument("source", help="folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, WebDataset .tar(s)")
+    pk.add_argument("source", help="folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, WebDataset .tar(s), "
+                    ".tfrecord(s), Parquet/Arrow table")
     pk.add_argument("dest", help="dataset URL: s3://bucket/prefix, a local path, ...")
     pk.add_argument("--shard-size", default="512MB", help="target shard size (default 512MB)")
     pk.add_argument("--shard-samples", type=int, default=None, help="also close a shard at this many samples")
@@ -228,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--labels-from-dirs", action="store_true", help="ImageFolder: class folders -> cls field")
     pk.add_argument("--hdf5-rows", default=None, metavar="DATASETS",
                     help="HDF5: rows of these datasets (comma separated) are samples")
+    pk.add_argument("--payload-columns", default=None, metavar="COL:FIELD,...",
+                    help="Parquet/Arrow table: binary column -> field (img:jpg,depth:npy)")
     pk.add_argument("--on-error", choices=["raise", "skip"], default="raise")
     pk.add_argument("--reencode", default=None, metavar="FMT[:QUALITY]", help="re-encode images: jpeg:90, webp:80")
     pk.add_argument("--resize", type=int, default=None, metavar="SHORTER_SIDE", help="resize images (shorter side)")

@@ -26,6 +26,7 @@ from shardkit.packing.iterable import pack_iterable
 from shardkit.packing.plan import make_plan
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips
+from shardkit.packing.sources.hf import HfSource, hf_iterable_samples, hf_kind
 from shardkit.packing.task import PackOptions
 from shardkit.packing.transforms import describe_transform
 from shardkit.storage.store import Store
@@ -37,7 +38,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          shard_samples: int | None = None, labels_from_dirs: bool = False, on_error: str = "raise",
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
-         progress: bool = True) -> dict[str, Any]:
+         progress: bool = True, payload_columns: str | dict[str, str] | None = None) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
@@ -47,7 +48,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     Args:
         source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar), a
             WebDataset tar URL/glob, a :class:`~shardkit.packing.sources.Source`, or an iterable
-            of dicts (packed as it comes, ``engine="local"`` only).
+            of dicts (packed as it comes, ``engine="local"`` only); also TFRecords, Parquet/Arrow
+            tables holding the payload, and Hugging Face ``datasets.Dataset`` /
+            ``IterableDataset`` objects (the latter packed as an iterable).
         dest: any fsspec URL (``s3://bucket/prefix``, a local path, ``memory://...``).
         shard_bytes: target shard size (``"512MB"``); shards close before overflowing it.
         engine: ``"local"`` (in this process) or ``"ray"`` (one Ray task per planned task).
@@ -73,6 +76,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         hdf5_rows: for an HDF5 source, the comma-separated datasets whose rows are the samples
             (default: each dataset is a sample).
         progress: show a progress bar on stderr.
+        payload_columns: for a Parquet/Arrow table or a Hugging Face dataset, column -> field of
+            its binary columns (``"img:jpg,depth:npy"``).
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
@@ -98,6 +103,11 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     refuse_file_dest(store)
     desc = describe_transform(transform)  # the same in every process: a rerun resumes
     opts = PackOptions(sbytes, shard_samples, parse_size(task_bytes, "task_bytes"), on_error, transform, desc)
+    hf = hf_kind(source)  # a Hugging Face dataset: by its type's name, datasets is not imported for others
+    if hf == "Dataset":
+        source = HfSource(source, payload_columns)
+    elif hf == "IterableDataset":
+        source = hf_iterable_samples(source, payload_columns)
     if _is_iterable(source):
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
@@ -105,7 +115,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
                               "path, not to an iterable of samples (give each sample its fields)")
         return pack_iterable(source, store, opts, overwrite, progress)
-    src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
+    src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
+                         payload_columns=None if hf else payload_columns)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
     if listing is not None:
         listing.skip = on_error == "skip"

@@ -12,9 +12,11 @@ from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.npy import NpySource
 from shardkit.packing.sources.resolve import resolve_source
+from shardkit.packing.sources.hf import HfSource
+from shardkit.packing.sources.table import TableSource
 from shardkit.packing.sources.tfrecord import TfRecordSource
 from shardkit.packing.sources.wds import WdsTarSource
 
 __all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "Hdf5Source", "NpySource",
            "WdsTarSource", "resolve_source"]
-__all__ += ["TfRecordSource"]
+__all__ += ["TfRecordSource", "TableSource", "HfSource"]
