@@ -308,12 +308,17 @@ def test_tfrecords_on_s3_equal_local(tmp_path, s3_server, s3_bucket):
 
 @pytest.mark.s3
 @pytest.mark.ray
-def test_tfrecords_ray_equals_local(tmp_path, ray_local, s3_server, s3_bucket):
+@pytest.mark.slow
+def test_tfrecords_on_s3_ray_equals_local(tmp_path, ray_local, s3_env, s3_bucket):
+    """TFRecords in S3, the endpoint in the driver's environment only (not the Ray workers'):
+    the tasks read them from the endpoint the driver resolved."""
     from tests.pack.test_pack_ray import compare_datasets
 
     make_tfrecords(tmp_path / "src", files=3, per_file=4)
-    opts = s3_server.storage_options()
-    kw = dict(storage_options=opts, progress=False, shard_samples=3, task_bytes=1)
-    shardkit.pack(str(tmp_path / "src"), f"{s3_bucket}/ray", engine="ray", **kw)
-    shardkit.pack(str(tmp_path / "src"), f"{s3_bucket}/local", engine="local", **kw)
-    compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local", opts)
+    s3_env.filesystem().put(str(tmp_path / "src") + "/", f"{s3_bucket[5:]}/raw/", recursive=True)
+    glob = f"{s3_bucket}/raw/sub/*.tfrecord-*"
+    kw = dict(progress=False, shard_samples=3, task_bytes=1)
+    shardkit.pack(glob, f"{s3_bucket}/ray", engine="ray", **kw)
+    shardkit.pack(glob, f"{s3_bucket}/local", engine="local", **kw)
+    compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local")
+    assert shardkit.open_dataset(f"{s3_bucket}/ray").num_samples == 12

@@ -47,6 +47,7 @@ _NAME = re.compile(r"\.tfrecords?(-\d+-of-\d+)?$|\.tfrecords?-|\.tfrec$", re.IGN
 _SUFFIX = re.compile(r"\.tfrec(ords?)?(?=-|$)", re.IGNORECASE)  # dropped from keys: a.tfrecord-00001 -> a-00001
 _REF = re.compile(r"^(.*): record (\d+) at byte (\d+) \((\d+) bytes\)$", re.DOTALL)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_SCAN_BLOCK = 1 << 20
 _LABELS = ("label", "cls", "image/class/label")
 
 
@@ -153,21 +154,43 @@ class TfRecordSource:
             refuse_url_credentials(p, "source")
         self.storage_options = dict(storage_options) if storage_options else None
         self.listing = ListingSkips()
+        self._open: dict[Any, Any] = {}  # in a task: url -> (fs, path), and a local file kept open
 
     def __repr__(self) -> str:
         return f"TfRecordSource({self.paths if len(self.paths) != 1 else self.paths[0]!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         """Only the options: the filesystem is made again in each task's process."""
-        return {"paths": self.paths, "storage_options": self.storage_options, "listing": ListingSkips()}
+        return {"paths": self.paths, "storage_options": self.storage_options, "listing": ListingSkips(), "_open": {}}
 
     def _fs(self, url: str) -> tuple[Any, str]:
-        import fsspec
+        found = self._open.get(url)
+        if found is None:
+            import fsspec
 
-        try:
-            return fsspec.core.url_to_fs(url, **dict(self.storage_options or {}))
-        except (ValueError, ImportError) as exc:
-            raise SourceError(f"{url}: cannot open: {exc}") from exc
+            try:
+                found = self._open[url] = fsspec.core.url_to_fs(url, **dict(self.storage_options or {}))
+            except (ValueError, ImportError) as exc:
+                raise SourceError(f"{url}: cannot open: {exc}") from exc
+        return found
+
+    def _read(self, url: str, start: int, size: int) -> bytes:
+        """``size`` bytes of ``url`` from ``start``: one ranged read; a local file stays open
+        between the records of a task (closed by :meth:`task_done`)."""
+        if "://" in url:
+            fs, path = self._fs(url)
+            return bytes(fs.cat_file(path, start=start, end=start + size))
+        held = self._open.get(("file", url))
+        if held is None:
+            self.task_done()  # one local file open at a time
+            held = self._open[("file", url)] = open(url, "rb")  # noqa: SIM115 - closed by task_done
+        held.seek(start)
+        return bytes(held.read(size))
+
+    def task_done(self) -> None:
+        """Close the local file a task kept open (called after each task's last load)."""
+        for k in [k for k in self._open if isinstance(k, tuple)]:
+            self._open.pop(k).close()
 
     def files(self) -> list[tuple[str, str, int]]:
         """(url, path relative to what was given, size) of every TFRecord file, sorted.
@@ -226,7 +249,10 @@ class TfRecordSource:
                 self.listing.bad(f"{url}: record {index} at byte {offset}", reason + " (the file's later records are left out)")
 
             try:
-                with fs.open(path, "rb") as f:
+                # Remote: small read-ahead blocks, so seeking over a big record skips its bytes
+                # while a run of small records costs few requests.
+                remote = {} if "://" not in url else {"block_size": _SCAN_BLOCK}
+                with fs.open(path, "rb", **remote) as f:
                     records = list(scan_records(f, size, rel, bad))
                     shape = self._shape(f, records[0], rel) if records else []
             except OSError as exc:
@@ -271,14 +297,13 @@ class TfRecordSource:
             raise SourceError(f"{item.ref}: not an item of a TfRecordSource")
         url, index, start, size = found[1], int(found[2]), int(found[3]), int(found[4])
         where = item.ref
-        fs, path = self._fs(url)
         try:
-            record = fs.cat_file(path, start=start, end=start + HEADER_BYTES + size + FOOTER_BYTES)
+            record = self._read(url, start, HEADER_BYTES + size + FOOTER_BYTES)
         except FileNotFoundError as exc:
             raise SourceNotFoundError(f"{url}: no such file") from exc
         except OSError as exc:
             raise SourceError(f"{where}: cannot read: {exc}") from exc
-        payload = unframe(bytes(record), where)
+        payload = unframe(record, where)
         fields: dict[str, FieldValue] = dict(example_fields(parse_example(payload), where))
         rel = self._rel(url)
         return PackSample(item.key, fields, {"source": rel, "record": index})
