@@ -322,3 +322,13 @@ def test_tfrecords_on_s3_ray_equals_local(tmp_path, ray_local, s3_env, s3_bucket
     shardkit.pack(glob, f"{s3_bucket}/local", engine="local", **kw)
     compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local")
     assert shardkit.open_dataset(f"{s3_bucket}/ray").num_samples == 12
+
+
+def test_a_record_whose_length_starts_like_gzip_is_read(tmp_path):
+    # Length 0x8b1f: its little-endian bytes begin 1f 8b, the gzip magic number.
+    payload = encode_example({"x": [b"\x00" * (0x8B1F - 10)]})
+    payload = encode_example({"x": [b"\x00" * (0x8B1F - 10 - (len(payload) - 0x8B1F))]})
+    assert len(payload) == 0x8B1F
+    path = write_tfrecord(tmp_path / "g.tfrecord", [payload])
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    assert [i.key for i in TfRecordSource(path).list_items()] == ["g-000000000"]

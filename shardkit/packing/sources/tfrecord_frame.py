@@ -120,14 +120,15 @@ def scan_records(f: BinaryIO, size: int, name: str,
         if len(header) < HEADER_BYTES:
             bad(index, offset, f"{where}: truncated record header ({len(header)} of {HEADER_BYTES} bytes)")
             return
-        if index == 0 and header.startswith(GZIP_MAGIC):
-            raise SourceError(f"{name}: a gzip-compressed TFRecord file; shardkit reads uncompressed TFRecords only: "
-                              "decompress it (gunzip) and pack that")
         (length,) = struct.unpack_from("<Q", header)
         (stored,) = struct.unpack_from("<I", header, 8)
         if stored != masked_crc(header[:8]):
-            bad(index, offset, f"{where}: length CRC mismatch (corrupt record header); not a TFRecord file, "
-                               "or corrupt")
+            # Checked only now: a valid record's length may start with the gzip magic bytes too.
+            if index == 0 and header.startswith(GZIP_MAGIC):
+                raise SourceError(f"{name}: a gzip-compressed TFRecord file; shardkit reads uncompressed TFRecords "
+                                  "only: decompress it (gunzip) and pack that")
+            what = "not a TFRecord file, a compressed (ZLIB) one, or corrupt" if index == 0 else "corrupt"
+            bad(index, offset, f"{where}: length CRC mismatch (corrupt record header): {what}")
             return
         end = offset + HEADER_BYTES + length + FOOTER_BYTES
         if end > size:
