@@ -214,10 +214,11 @@ class TfRecordSource:
                     out += [(proto + p, os.path.basename(p), int(fs.size(p))) for p in found]
                 elif fs.isdir(path):
                     root = path.rstrip("/")
-                    found = sorted(p for p in fs.find(root) if is_tfrecord_name(p))
+                    listed = fs.find(root, detail=True)  # sizes come with the listing: no request per file
+                    found = sorted(p for p in listed if is_tfrecord_name(p))
                     if not found:
                         raise SourceError(f"{url}: no TFRecord files (*.tfrecord, *.tfrecords) found")
-                    out += [(proto + p, p[len(root) + 1:], int(fs.size(p))) for p in found]
+                    out += [(proto + p, p[len(root) + 1:], int(listed[p]["size"])) for p in found]
                 elif fs.exists(path):
                     out.append((proto + path if proto else path, os.path.basename(path.rstrip("/")), int(fs.size(path))))
                 else:
@@ -246,14 +247,15 @@ class TfRecordSource:
             fs, path = self._fs(url)
 
             def bad(index: int, offset: int, reason: str) -> None:
-                self.listing.bad(f"{url}: record {index} at byte {offset}", reason + " (the file's later records are left out)")
+                later = " (the file's later records are left out too)" if self.listing.skip else ""
+                self.listing.bad(f"{url}: record {index} at byte {offset}", reason + later)
 
             try:
                 # Remote: small read-ahead blocks, so seeking over a big record skips its bytes
                 # while a run of small records costs few requests.
                 remote = {} if "://" not in url else {"block_size": _SCAN_BLOCK}
                 with fs.open(path, "rb", **remote) as f:
-                    records = list(scan_records(f, size, rel, bad))
+                    records = list(scan_records(f, size, url, bad))
                     shape = self._shape(f, records[0], rel) if records else []
             except OSError as exc:
                 raise SourceError(f"{url}: cannot read: {exc}") from exc
