@@ -152,3 +152,23 @@ def test_cli_payload_columns(tmp_path, capsys):
     got, _ = read_back(str(tmp_path / "ds"))
     assert got == {"a": {"png": PNG}}
 
+
+
+@pytest.mark.s3
+@pytest.mark.slow  # four packs
+def test_tables_on_s3_equal_local(tmp_path, s3_server, s3_bucket):
+    table = make_table()
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=3)
+    feather.write_feather(table, tmp_path / "t.feather", chunksize=4)
+    fs = s3_server.filesystem()
+    opts = s3_server.storage_options()
+    for name in ("t.parquet", "t.feather"):
+        fs.put(str(tmp_path / name), f"{s3_bucket[5:]}/raw/{name}")
+        url = f"{s3_bucket}/raw/{name}"
+        assert isinstance(resolve_source(url, storage_options=opts), TableSource)
+        shardkit.pack(url, f"{s3_bucket}/{name}", storage_options=opts, progress=False, shard_samples=4)
+        shardkit.pack(str(tmp_path / name), str(tmp_path / f"ds-{name}"), progress=False, shard_samples=4)
+        remote = shardkit.open_dataset(f"{s3_bucket}/{name}", storage_options=opts)
+        local = shardkit.open_dataset(str(tmp_path / f"ds-{name}"))
+        assert remote.samples.equals(local.samples), name
+        assert {s["__key__"]: s["jpg"] for s in remote.iter_samples()} == {r["key"]: r["jpg"] for r in table.to_pylist()}

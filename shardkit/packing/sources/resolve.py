@@ -143,6 +143,37 @@ def _local_glob(pattern: Path) -> Source:
     return WdsTarSource(str(pattern))
 
 
+def _remote_table(url: str, storage_options: dict[str, Any] | None,
+                  payload_columns: str | dict[str, str] | None) -> Source | None:
+    """A table for an ``.arrow``/``.feather`` URL, or a Parquet URL whose schema has binary
+    columns (read from its footer); None for anything else."""
+    name = url.lower().rstrip("/")
+    if name.endswith((".arrow", ".feather")) or (payload_columns is not None and name.endswith(TABLE_SUFFIXES)):
+        return TableSource(url, payload_columns=payload_columns, storage_options=storage_options)
+    if not name.endswith((".parquet", ".pq")):
+        return None
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        with fs.open(path, "rb") as f:
+            schema = pq.read_schema(f)
+    except FileNotFoundError as exc:
+        raise SourceNotFoundError(f"source {url} does not exist") from exc
+    except Exception:  # noqa: BLE001 - not a readable Parquet file: left to the other sources
+        return None
+    payload = payload_columns_of(schema)
+    if payload and "path" in schema.names and pa.types.is_string(schema.field("path").type):
+        raise SourceError(_ambiguous(url, payload))
+    return TableSource(url, storage_options=storage_options) if payload else None
+
+
+def _ambiguous(source: Any, payload: list[str]) -> str:
+    return (f"source {source} has both a 'path' column (a file list) and binary column(s) {payload} (a table "
+            "holding the payload): pass --payload-columns (payload_columns=) to pack it as a table, or drop the "
+            "binary columns to pack it as a file list")
+
+
 def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> Source:
     """A Parquet file's rows as a table (binary columns: the payload is in it) or as a file
     list (a ``path`` column of strings naming files), by its schema alone."""
@@ -154,9 +185,7 @@ def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> 
     if payload_columns is not None or (payload and "path" not in schema.names):
         return TableSource(path, payload_columns=payload_columns)
     if payload and pa.types.is_string(schema.field("path").type):
-        raise SourceError(f"source {path} has both a 'path' column of strings (a file list) and binary column(s) "
-                          f"{payload} (a table holding the payload): pass --payload-columns (payload_columns=) to pack "
-                          "it as a table, or drop the binary columns to pack it as a file list")
+        raise SourceError(_ambiguous(path, payload))
     if payload:
         return TableSource(path)
     return FileListSource(path)
@@ -175,6 +204,9 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if "://" in text and not text.startswith("file://"):
         if is_tfrecord_name(text):  # a TFRecord file, or a glob of them (s3://b/train/*.tfrecord)
             return TfRecordSource(text, storage_options=storage_options)
+        table = _remote_table(text, storage_options, payload_columns)
+        if table is not None:
+            return table
         if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
                 return WdsTarSource(text, storage_options=storage_options)
         raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")

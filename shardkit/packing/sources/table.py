@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -36,6 +37,7 @@ __all__ = ["TABLE_SUFFIXES", "TableSource", "payload_columns_of"]
 PathLike = Union[str, os.PathLike]
 TABLE_SUFFIXES = (".parquet", ".pq", ".arrow", ".feather")
 _PARQUET = (".parquet", ".pq")
+_BLOCK = 4 << 20  # remote read-ahead: a Parquet footer or column chunk in few requests
 
 
 def payload_columns_of(schema: pa.Schema) -> list[str]:
@@ -60,22 +62,23 @@ def payload_columns_of(schema: pa.Schema) -> list[str]:
 class _Reader:
     """One table file: its schema, row groups (Parquet) or record batches (Arrow), read one at a time."""
 
-    def __init__(self, path: str, name: str) -> None:
+    def __init__(self, path: str, name: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.name = name
+        self.storage_options = storage_options
         self.parquet: pq.ParquetFile | None = None
         self.ipc: Any = None
         self.stream = False
         try:
             if path.lower().endswith(_PARQUET):
-                self.parquet = pq.ParquetFile(path, memory_map=True)
+                self.parquet = pq.ParquetFile(self.open(path), memory_map="://" not in path)
                 self.schema = self.parquet.schema_arrow
                 meta = self.parquet.metadata
                 self.rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
                 self.group_bytes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
                 return
-            with open(path, "rb") as f:
+            with self.open(path) as f:
                 self.stream = f.read(6) != b"ARROW1"  # the IPC file magic; else the streaming format
-            source = pa.memory_map(path)  # zero-copy: batches are views of the mapped file
+            source = self.open(path)
             self.ipc = pa.ipc.open_stream(source) if self.stream else pa.ipc.open_file(source)
             self.schema = self.ipc.schema
             batches = list(self.ipc) if self.stream else [self.ipc.get_batch(i) for i in range(self.ipc.num_record_batches)]
@@ -88,6 +91,14 @@ class _Reader:
         except (pa.ArrowException, OSError) as exc:
             raise SourceError(f"{name}: not a readable Parquet or Arrow file: {exc}") from exc
 
+    def open(self, path: str) -> Any:
+        """The file to read: memory-mapped if local (zero-copy: batches are views of the
+        mapped file), else an fsspec file of ranged reads."""
+        if "://" not in path:
+            return pa.memory_map(path) if not path.lower().endswith(_PARQUET) else path
+        fs, p = fsspec.core.url_to_fs(path, **dict(self.storage_options or {}))
+        return fs.open(p, "rb", block_size=_BLOCK)
+
     def group(self, g: int, path: str) -> pa.Table:
         """Row group (or record batch) ``g`` as a table."""
         try:
@@ -95,7 +106,7 @@ class _Reader:
                 return self.parquet.read_row_group(g)
             if not self.stream:
                 return pa.Table.from_batches([self.ipc.get_batch(g)])
-            with pa.ipc.open_stream(pa.memory_map(path)) as reader:
+            with pa.ipc.open_stream(self.open(path)) as reader:
                 for i, batch in enumerate(reader):
                     if i == g:
                         return pa.Table.from_batches([batch])
@@ -115,18 +126,22 @@ class TableSource:
 
     Args:
         paths_or_dir: a file, a folder (its ``.parquet``/``.pq``/``.arrow``/``.feather`` files,
-            recursively), or a list of files; local paths.
+            recursively), or a list of files; local paths or fsspec URLs (``s3://``).
         payload_columns: column -> field for binary columns (``"img:jpg,depth:npy"`` or a dict);
             other binary columns make fields named after themselves.
+        storage_options: fsspec options for URLs (never shown in errors or :meth:`describe`).
 
     Raises:
         SourceError: no paths given, or a bad ``payload_columns``.
     """
 
     def __init__(self, paths_or_dir: PathLike | Sequence[PathLike],
-                 payload_columns: str | Mapping[str, str] | None = None) -> None:
+                 payload_columns: str | Mapping[str, str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         given = [paths_or_dir] if isinstance(paths_or_dir, (str, os.PathLike)) else list(paths_or_dir)
-        self.paths = [os.path.abspath(os.fspath(p)) for p in given]
+        # Local paths made absolute: Ray tasks on a cluster run in another working directory.
+        self.paths = [p if "://" in p else os.path.abspath(p) for p in (str(os.fspath(g)) for g in given)]
+        self.storage_options = dict(storage_options) if storage_options else None
         if not self.paths:
             raise SourceError("TableSource: no paths given")
         for p in self.paths:
@@ -139,7 +154,8 @@ class TableSource:
 
     def __getstate__(self) -> dict[str, Any]:
         """Only the options: readers and row groups are opened again in each task's process."""
-        return {"paths": self.paths, "payload_columns": self.payload_columns, "_cache": {}}
+        return {"paths": self.paths, "payload_columns": self.payload_columns, "storage_options": self.storage_options,
+                "_cache": {}}
 
     def files(self) -> list[tuple[str, str]]:
         """(path, path relative to the folder given) of every table file, sorted.
@@ -153,6 +169,9 @@ class TableSource:
         """
         out: list[tuple[str, str]] = []
         for given in self.paths:
+            if "://" in given:
+                out += self._remote_files(given)
+                continue
             root = Path(given)
             if root.is_dir():
                 found = sorted(p for p in root.rglob("*") if p.suffix.lower() in TABLE_SUFFIXES and p.is_file())
@@ -165,10 +184,23 @@ class TableSource:
                 raise SourceNotFoundError(f"{given}: no such file or directory")
         return out
 
+    def _remote_files(self, url: str) -> list[tuple[str, str]]:
+        fs, path = fsspec.core.url_to_fs(url, **dict(self.storage_options or {}))
+        proto = url.split("://", 1)[0] + "://"
+        if fs.isdir(path):
+            root = path.rstrip("/")
+            found = sorted(p for p in fs.find(root) if p.lower().endswith(TABLE_SUFFIXES))
+            if not found:
+                raise SourceError(f"{url}: no Parquet or Arrow files found")
+            return [(proto + p, p[len(root) + 1:]) for p in found]
+        if not fs.exists(path):
+            raise SourceNotFoundError(f"{url}: no such file or directory")
+        return [(url, os.path.basename(path))]
+
     def _reader(self, path: str) -> tuple[_Reader, RowPlan]:
         cached = self._cache.get(path)
         if cached is None:
-            reader = _Reader(path, self._rel(path))
+            reader = _Reader(path, self._rel(path), self.storage_options)
             plan = plan_columns(reader.schema, reader.name, self.payload_columns)
             cached = self._cache[path] = (reader, plan)
         return cached
