@@ -127,6 +127,13 @@ def test_resolve_tells_tables_from_file_lists(tmp_path):
         resolve_source(tmp_path / "list.csv", payload_columns="x:y")
 
 
+def test_dictionary_column_is_metadata(tmp_path):
+    table = pa.table({"jpg": [b"1", b"2"], "kind": pa.array(["a", "b"]).dictionary_encode()})  # a pandas categorical
+    pq.write_table(table, tmp_path / "t.parquet")
+    shardkit.pack(str(tmp_path / "t.parquet"), str(tmp_path / "ds"), progress=False)
+    assert shardkit.open_dataset(str(tmp_path / "ds")).samples.column("kind").to_pylist() == ["a", "b"]
+
+
 def test_bad_rows_and_columns(tmp_path):
     pq.write_table(pa.table({"jpg": [b"1", None, b"3"]}), tmp_path / "t.parquet")
     with pytest.raises(SourceError, match="row 1") as err:

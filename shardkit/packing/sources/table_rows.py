@@ -249,6 +249,8 @@ def plan_columns(schema: pa.Schema, where: str, payload_columns: Mapping[str, st
         t = f.type
         while isinstance(t, pa.ExtensionType):  # Hugging Face's Array2D..Array5D: lists underneath
             t = t.storage_type
+        if pa.types.is_dictionary(t):  # pandas categoricals: rows read back as their values
+            t = t.value_type
         feature: dict[str, Any] = hf[f.name] if isinstance(hf.get(f.name), dict) else {}
         if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
             columns.append(Column(f.name, "field", payload.get(f.name, f.name)))
@@ -265,7 +267,7 @@ def plan_columns(schema: pa.Schema, where: str, payload_columns: Mapping[str, st
             columns.append(Column(f.name, "npy", f"{f.name}.npy", np.dtype(value_type.to_pandas_dtype())))
         elif (pa.types.is_string(t) or pa.types.is_large_string(t)) and text_fields and not f.name.startswith("__"):
             columns.append(Column(f.name, "text", f"{f.name}.txt"))
-        elif not (pa.types.is_nested(t) or pa.types.is_dictionary(t)):
+        elif not pa.types.is_nested(t):
             columns.append(Column(f.name, "meta", ""))
         else:
             raise SourceError(f"{where}: column {f.name!r} of type {t} has no rule to pack it (binary, a struct of "
