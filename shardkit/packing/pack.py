@@ -114,6 +114,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         if hdf5_rows is not None or labels_from_dirs:
             raise ConfigError(f"{'hdf5_rows' if hdf5_rows is not None else 'labels_from_dirs'}: applies to a source "
                               "path, not to an iterable of samples (give each sample its fields)")
+        if payload_columns is not None and hf is None:
+            raise ConfigError("payload_columns: applies to a table or a Hugging Face dataset, not to an iterable of "
+                              "samples (give each sample its fields)")
         return pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
                          payload_columns=None if hf else payload_columns)

@@ -125,6 +125,8 @@ def test_resolve_tells_tables_from_file_lists(tmp_path):
     (tmp_path / "list.csv").write_text("path\na.jpg\n")
     with pytest.raises(ConfigError, match="payload_columns"):
         resolve_source(tmp_path / "list.csv", payload_columns="x:y")
+    with pytest.raises(ConfigError, match="payload_columns"):  # not silently ignored for an iterable either
+        shardkit.pack(iter([{"a": b"1"}]), str(tmp_path / "ds"), payload_columns="a:b", progress=False)
 
 
 def test_dictionary_column_is_metadata(tmp_path):
