@@ -332,3 +332,10 @@ def test_a_record_whose_length_starts_like_gzip_is_read(tmp_path):
     path = write_tfrecord(tmp_path / "g.tfrecord", [payload])
     assert path.read_bytes()[:2] == b"\x1f\x8b"
     assert [i.key for i in TfRecordSource(path).list_items()] == ["g-000000000"]
+
+
+def test_sequence_example_refused_not_silently_cut():
+    context = encode_example({"x": [b"1"]})  # field 1: the context Features, as in an Example
+    feature_lists = _len_field(2, _len_field(1, _len_field(1, b"frames") + _len_field(2, b"")))
+    with pytest.raises(SourceError, match="SequenceExample"):
+        parse_example(context + feature_lists)

@@ -189,11 +189,15 @@ def parse_example(data: Buffer) -> dict[str, Feature]:
         Feature name -> :class:`Feature`, in the order the names first appear.
 
     Raises:
-        SourceError: the bytes are no valid Example (one line saying what is wrong).
+        SourceError: the bytes are no valid Example (one line saying what is wrong), or are a
+            ``tf.train.SequenceExample``, whose ``feature_lists`` would otherwise be dropped silently.
     """
     buf = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     features: dict[str, Feature] = {}
     for number, wire, value in _fields(buf):
+        if number == 2 and wire == _LEN:  # SequenceExample { Features context = 1; FeatureLists feature_lists = 2; }
+            raise SourceError("a tf.train.SequenceExample (it has feature_lists), not a tf.train.Example: "
+                              "SequenceExamples are not supported")
         if number != 1:
             continue
         _is_len(wire, "Example.features")
