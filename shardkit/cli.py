@@ -93,7 +93,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                 shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
                 overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
                 hdf5_rows=args.hdf5_rows, zarr_rows=args.zarr_rows, lmdb_field=args.lmdb_field,
-                progress=not (args.json or args.quiet), append=args.append)
+                progress=not (args.json or args.quiet), append=args.append, payload_columns=args.payload_columns)
     if args.json:
         _print_json(info)
     elif info.get("up_to_date"):
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pk = sub.add_parser("pack", help="pack a source into a dataset")
     pk.add_argument("source", help="folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, WebDataset .tar(s), "
-                                    "Zarr store, LMDB environment")
+                                    "Zarr store, LMDB environment, .tfrecord(s), Parquet/Arrow table")
     pk.add_argument("dest", help="dataset URL: s3://bucket/prefix, a local path, ...")
     pk.add_argument("--shard-size", default="512MB", help="target shard size (default 512MB)")
     pk.add_argument("--shard-samples", type=int, default=None, help="also close a shard at this many samples")
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Zarr: rows of these arrays (comma separated) are samples")
     pk.add_argument("--lmdb-field", default=None, metavar="FIELD",
                     help="LMDB: the field each value is packed as, e.g. jpg (default bin)")
+    pk.add_argument("--payload-columns", default=None, metavar="COL:FIELD,...",
+                    help="Parquet/Arrow table: binary column -> field (img:jpg,depth:npy)")
     pk.add_argument("--on-error", choices=["raise", "skip"], default="raise")
     pk.add_argument("--reencode", default=None, metavar="FMT[:QUALITY]", help="re-encode images: jpeg:90, webp:80")
     pk.add_argument("--resize", type=int, default=None, metavar="SHORTER_SIDE", help="resize images (shorter side)")

@@ -30,6 +30,7 @@ from shardkit.packing.pack_parts import pack_parts
 from shardkit.packing.plan import make_plan
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips
+from shardkit.packing.sources.hf import HfSource, hf_iterable_samples, hf_kind
 from shardkit.packing.sources.parts import as_parts
 from shardkit.packing.sources.ray_data import ray_dataset_parts
 from shardkit.packing.task import PackOptions
@@ -44,7 +45,7 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
          progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None,
-         append: bool = False) -> dict[str, Any]:
+         append: bool = False, payload_columns: str | dict[str, str] | None = None) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
@@ -54,11 +55,13 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
 
     Args:
         source: a path (folder, ImageFolder, CSV/Parquet list, .h5, .npy/.npz, .tar, a Zarr
-            store, an LMDB environment), a WebDataset tar URL/glob, a Zarr store URL, a
-            :class:`~shardkit.packing.sources.Source`, an iterable of dicts (packed as it comes,
-            ``engine="local"`` only), a :class:`~shardkit.packing.sources.parts.Parts` or a
-            list of iterables or of callables returning them (one task per part, resumed per
-            part), or a ``ray.data.Dataset`` (a part per block).
+            store, an LMDB environment, TFRecords, a Parquet/Arrow table holding the payload), a
+            WebDataset tar URL/glob, a Zarr store URL, a :class:`~shardkit.packing.sources.Source`,
+            an iterable of dicts (packed as it comes, ``engine="local"`` only), a Hugging Face
+            ``datasets.Dataset`` / ``IterableDataset`` (the latter packed as an iterable), a
+            :class:`~shardkit.packing.sources.parts.Parts` or a list of iterables or of callables
+            returning them (one task per part, resumed per part), or a ``ray.data.Dataset`` (a
+            part per block).
         dest: any fsspec URL (``s3://bucket/prefix``, a local path, ``memory://...``).
         shard_bytes: target shard size (``"512MB"``); shards close before overflowing it.
         engine: ``"local"`` (in this process) or ``"ray"`` (one Ray task per planned task).
@@ -92,6 +95,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             (:mod:`shardkit.packing.append`): new shards beside the old ones, keys already in
             the dataset refused (or skipped with ``on_error="skip"``), committed atomically; on
             an empty ``dest`` it is a plain pack (version 1).
+        payload_columns: for a Parquet/Arrow table or a Hugging Face dataset, column -> field of
+            its binary columns (``"img:jpg,depth:npy"``).
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
@@ -131,10 +136,15 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         if append:
             raise ConfigError("append: parts of samples cannot be appended yet (they cannot be listed ahead to check "
                               "their keys); write them to files and append those")
-        if given:
-            raise ConfigError(f"{given[0]}: applies to a source path, not to parts of samples (give each sample its "
-                              "fields)")
+        if given or payload_columns is not None:
+            raise ConfigError(f"{given[0] if given else 'payload_columns'}: applies to a source path, not to parts of "
+                              "samples (give each sample its fields)")
         return pack_parts(parts, store, opts, overwrite, progress, engine, ray_address)
+    hf = hf_kind(source)  # a Hugging Face dataset: by its type's name, datasets is not imported for others
+    if hf == "Dataset":
+        source = HfSource(source, payload_columns)
+    elif hf == "IterableDataset":
+        source = hf_iterable_samples(source, payload_columns)
     if _is_iterable(source):
         if append:
             raise ConfigError("append: an iterable source cannot be appended (it cannot be listed ahead to check its "
@@ -144,9 +154,13 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         if given:
             raise ConfigError(f"{given[0]}: applies to a source path, not to an iterable of samples (give each sample "
                               "its fields)")
+        if payload_columns is not None and hf is None:
+            raise ConfigError("payload_columns: applies to a table or a Hugging Face dataset, not to an iterable of "
+                              "samples (give each sample its fields)")
         return pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options,
-                         hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field)
+                         hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field,
+                         payload_columns=None if hf else payload_columns)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
     if listing is not None:
         listing.skip = on_error == "skip"

@@ -21,7 +21,7 @@ __all__ = ["BUCKET", "DATASETS", "SOURCES", "make_sources"]
 BUCKET = "shardkit"
 
 # What each page's working directory holds, relative to it.
-SOURCES = ("imagenet", "volumes", "big.h5", "rows.h5", "files.csv", "keyed", "wds")
+SOURCES = ("imagenet", "volumes", "big.h5", "rows.h5", "files.csv", "keyed", "wds", "train.tfrecord")
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
@@ -64,7 +64,35 @@ def make_sources(root: Path) -> Path:
         for i in range(t * 4, t * 4 + 4):
             members += [(f"{i:06d}.jpg", jpgs[i].read_bytes()), (f"{i:06d}.cls", str(i % 10).encode())]
         _tar(root / "wds" / f"shard-{t:06d}.tar", members)
+    _tfrecord(root / "train.tfrecord", jpgs[:8])
     return root
+
+
+def _example(features: dict[str, bytes | int]) -> bytes:
+    """A serialized tf.train.Example of single bytes and int64 values (the wire format by hand)."""
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    def ld(number: int, body: bytes) -> bytes:
+        return varint(number << 3 | 2) + varint(len(body)) + body
+
+    entries = b""
+    for name, value in features.items():
+        feature = ld(1, ld(1, value)) if isinstance(value, bytes) else ld(3, ld(1, varint(value)))
+        entries += ld(1, ld(1, name.encode()) + ld(2, feature))
+    return ld(1, entries)
+
+
+def _tfrecord(path: Path, jpgs: list[Path]) -> None:
+    from shardkit.packing.sources.tfrecord_frame import frame
+
+    path.write_bytes(b"".join(frame(_example({"image/encoded": p.read_bytes(), "image/format": b"jpeg", "label": i % 2}))
+                              for i, p in enumerate(jpgs)))
 
 
 def _pack(source: str, **options: Any) -> Callable[[Path, str], None]:

@@ -20,6 +20,8 @@ from shardkit.errors import ConfigError, ShardkitError
 from shardkit.packing.plan import PackPlan, TaskPlan
 from shardkit.packing.progress import Progress
 from shardkit.packing.sources.base import Source, SourceItem
+from shardkit.packing.sources.table import TableSource
+from shardkit.packing.sources.tfrecord import TfRecordSource
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_task
 from shardkit.storage.options import with_env_location
@@ -100,7 +102,7 @@ def probe_ray_address(address: str, timeout: float = 5.0) -> None:
 def for_tasks(src: Source) -> Source:
     """``src`` as tasks on other nodes must see it.
 
-    WebDataset tars on S3 are read from the endpoint and region this driver resolved
+    WebDataset tars, TFRecords and tables on S3 are read from the endpoint and region this driver resolved
     (:func:`~shardkit.storage.options.with_env_location`), whatever the nodes' environments say.
 
     Args:
@@ -113,6 +115,10 @@ def for_tasks(src: Source) -> Source:
         pinned = copy.copy(src)
         pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None
         return pinned
+    if isinstance(src, (TfRecordSource, TableSource)) and any(u.startswith(("s3://", "s3a://")) for u in src.paths):
+        pinned_tfr = copy.copy(src)
+        pinned_tfr.storage_options = with_env_location("s3://", src.storage_options or {}) or None
+        return pinned_tfr
     return src
 
 

@@ -39,6 +39,7 @@ OPTIONAL_SOURCES: dict[str, Requirement] = {
     "hdf5": Requirement("Hdf5Source", "h5py", "hdf5"),
     "zarr": Requirement("ZarrSource", "zarr", "zarr"),
     "lmdb": Requirement("LmdbSource", "lmdb", "lmdb"),
+    "hf": Requirement("HfSource", "datasets", "hf"),
 }
 
 

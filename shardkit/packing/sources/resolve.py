@@ -12,6 +12,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
 from shardkit.packing.sources.base import Source
 from shardkit.packing.sources.filelist import FileListSource
@@ -19,6 +22,8 @@ from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.table import TABLE_SUFFIXES, TableSource, payload_columns_of
+from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.sources.zarr import ZarrSource
 from shardkit.storage.urls import refuse_url_credentials
@@ -33,11 +38,12 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
                    hdf5_rows: str | None = None, zarr_rows: str | None = None,
-                   lmdb_field: str | None = None) -> Source:
-    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
+                   lmdb_field: str | None = None, payload_columns: str | dict[str, str] | None = None) -> Source:
+    """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar, .tfrecord) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
-    (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
+    (``.tar`` files beside any other file are refused as ambiguous); only TFRecords -> TFRecords
+    (also on URLs: a ``*.tfrecord`` file or glob); only ``.npy``/``.npz`` ->
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
     ``labels_from_dirs``). Only names and sizes are looked at. A directory or URL holding
     ``zarr.json`` (or named ``*.zarr``) is a Zarr store; one holding ``data.mdb``, or a
@@ -50,6 +56,8 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         hdf5_rows: for an HDF5 source, the datasets whose rows are the samples.
         zarr_rows: for a Zarr source, the arrays whose rows are the samples.
         lmdb_field: for an LMDB source, the field each value is packed as (default ``bin``).
+        payload_columns: for a table (Parquet/Arrow rows holding the payload), column -> field
+            of its binary columns (``"img:jpg"``); also picks a table over a file list.
 
     Returns:
         The source.
@@ -58,14 +66,15 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
         SourceError: a type of input no source reads (a remote path that is no tar, a file
             type, a folder of tars and other files, an empty folder).
-        ConfigError: ``hdf5_rows``, ``zarr_rows`` or ``lmdb_field`` for a source of another
-            kind (not silently ignored), or credentials in a URL.
+        ConfigError: ``hdf5_rows``, ``zarr_rows``, ``lmdb_field`` or ``payload_columns`` for a
+            source of another kind (not silently ignored), or credentials in a URL.
     """
     src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
-                   zarr_rows=zarr_rows, lmdb_field=lmdb_field)
+                   zarr_rows=zarr_rows, lmdb_field=lmdb_field, payload_columns=payload_columns)
     for option, value, kind, cls in (("hdf5_rows", hdf5_rows, "HDF5", Hdf5Source),
                                      ("zarr_rows", zarr_rows, "Zarr", ZarrSource),
-                                     ("lmdb_field", lmdb_field, "LMDB", LmdbSource)):
+                                     ("lmdb_field", lmdb_field, "LMDB", LmdbSource),
+                                     ("payload_columns", payload_columns, "Parquet/Arrow table", TableSource)):
         if value is not None and not isinstance(src, cls):
             raise ConfigError(f"{option} (--{option.replace('_', '-')} {value}) applies to {kind} sources only; "
                               f"{source} is a {src.describe().get('type', type(src).__name__)} source")
@@ -139,6 +148,25 @@ def _mixed_tars(path: Path) -> str:
             "a folder of their own")
 
 
+# What Hugging Face's ``save_to_disk`` writes beside its ``.arrow`` files.
+_HF_SIDECARS = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+
+
+def _table_folder(path: Path, suffixes: set[str], payload_columns: str | dict[str, str] | None) -> bool:
+    """Whether a folder is a table split in files: only Parquet/Arrow files (and Hugging
+    Face's own ``.json`` files), the first of which holds binary columns (or
+    ``payload_columns`` says so)."""
+    files = sorted(p for p in _files(path) if p.name not in _HF_SIDECARS)
+    if not files or not all(p.suffix.lower() in TABLE_SUFFIXES for p in files):
+        return False
+    if payload_columns is not None or files[0].suffix.lower() in (".arrow", ".feather"):
+        return True
+    try:
+        return bool(payload_columns_of(pq.read_schema(files[0])))
+    except Exception:  # noqa: BLE001 - not a readable Parquet file: packed as the folder it is
+        return False
+
+
 def _local_glob(pattern: Path) -> Source:
     """WebDataset tars matching a local glob (``dir/shard-*.tar``), read as a glob of
     ``s3://`` tars is; anything else it matches is refused, not read as a tar."""
@@ -152,8 +180,57 @@ def _local_glob(pattern: Path) -> Source:
     return WdsTarSource(str(pattern))
 
 
+def _remote_table(url: str, storage_options: dict[str, Any] | None,
+                  payload_columns: str | dict[str, str] | None) -> Source | None:
+    """A table for an ``.arrow``/``.feather`` URL, or a Parquet URL whose schema has binary
+    columns (read from its footer); None for anything else."""
+    name = url.lower().rstrip("/")
+    if name.endswith((".arrow", ".feather")) or (payload_columns is not None and name.endswith(TABLE_SUFFIXES)):
+        return TableSource(url, payload_columns=payload_columns, storage_options=storage_options)
+    if not name.endswith((".parquet", ".pq")):
+        return None
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        with fs.open(path, "rb") as f:
+            schema = pq.read_schema(f)
+    except FileNotFoundError as exc:
+        raise SourceNotFoundError(f"source {url} does not exist") from exc
+    except Exception:  # noqa: BLE001 - not a readable Parquet file: left to the other sources
+        return None
+    payload = payload_columns_of(schema)
+    if payload and "path" in schema.names and pa.types.is_string(schema.field("path").type):
+        raise SourceError(_ambiguous(url, payload))
+    return TableSource(url, storage_options=storage_options) if payload else None
+
+
+def _ambiguous(source: Any, payload: list[str]) -> str:
+    return (f"source {source} has both a 'path' column (a file list) and binary column(s) {payload} (a table "
+            "holding the payload): pass --payload-columns (payload_columns=) to pack it as a table, or drop the "
+            "binary columns to pack it as a file list")
+
+
+def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> Source:
+    """A Parquet file's rows as a table (binary columns: the payload is in it) or as a file
+    list (a ``path`` column of strings naming files), by its schema alone."""
+    try:
+        schema = pq.read_schema(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
+        raise SourceError(f"cannot read Parquet file {path}: {exc}") from exc
+    payload = payload_columns_of(schema)
+    if payload_columns is not None or (payload and "path" not in schema.names):
+        return TableSource(path, payload_columns=payload_columns)
+    if payload and pa.types.is_string(schema.field("path").type):
+        raise SourceError(_ambiguous(path, payload))
+    if payload:
+        return TableSource(path)
+    return FileListSource(path)
+
+
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
-             hdf5_rows: str | None, zarr_rows: str | None, lmdb_field: str | None) -> Source:
+             hdf5_rows: str | None, zarr_rows: str | None, lmdb_field: str | None,
+             payload_columns: str | dict[str, str] | None = None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
         return source
     if not isinstance(source, (str, os.PathLike)):
@@ -163,7 +240,12 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
         return WdsTarSource(text, storage_options=storage_options)
     if "://" in text and not text.startswith("file://"):
-        kind = _remote_kind(text, storage_options)
+        if is_tfrecord_name(text):  # a TFRecord file, or a glob of them (s3://b/train/*.tfrecord)
+            return TfRecordSource(text, storage_options=storage_options)
+        table = _remote_table(text, storage_options, payload_columns)
+        if table is not None:
+            return table
+        kind = _remote_kind(text, storage_options)  # last: it may probe the URL
         if kind == "zarr":
             return _zarr(text, zarr_rows, storage_options)
         if kind == "lmdb":  # refused (one line): LMDB is read from local disk only
@@ -183,7 +265,11 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if (path.is_dir() and (path / "data.mdb").is_file()) or (path.is_file() and suffix in _LMDB):
         return LmdbSource(path, field=lmdb_field or "bin")
     if path.is_file():
-        if suffix in (".csv", ".parquet", ".pq"):
+        if suffix in (".parquet", ".pq"):
+            return _table_or_list(path, payload_columns)
+        if suffix in (".arrow", ".feather"):
+            return TableSource(path, payload_columns=payload_columns)
+        if suffix == ".csv":
             return FileListSource(path)
         if suffix in _HDF5:
             return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
@@ -191,9 +277,14 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
             return NpySource([str(path)])
         if suffix == ".tar":
                 return WdsTarSource(str(path))
+        if is_tfrecord_name(path.name):
+            return TfRecordSource(str(path))
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
+    names = [p.name for p in _files(path)]
+    if names and all(is_tfrecord_name(n) for n in names):
+        return TfRecordSource(str(path))
     suffixes = {p.suffix.lower() for p in _files(path)}
     if not suffixes:
         raise SourceError(f"source {path} holds no files")
@@ -201,6 +292,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         if suffixes != {".tar"}:
             raise SourceError(_mixed_tars(path))
         return WdsTarSource(str(path))
+    if suffixes & set(TABLE_SUFFIXES) and _table_folder(path, suffixes, payload_columns):
+        return TableSource(path, payload_columns=payload_columns)
     if suffixes <= {".npy", ".npz"}:
         return NpySource(str(path))
     if suffixes <= set(_HDF5):
