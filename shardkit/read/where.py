@@ -1,0 +1,201 @@
+"""Evaluating a ``where=`` query over a dataset's sample manifest with DuckDB: the sorted global
+indices of the samples it selects.
+
+The samples fragments are read from local files (the node's manifest copies, fetched from
+storage once per node when missing), as one DuckDB view ``samples``: every manifest column,
+the side columns of :mod:`shardkit.read.annotations` joined on the sample, and ``__index__``
+(the global sample index). A fragment holds one row group per shard, each shard's rows in
+order, so ``__index__`` is the row's position in its file plus a per-shard offset: a join with
+a table of one row per shard. DuckDB reads only the columns the query names (projection
+pushdown) and streams the files, so memory stays bounded by the result, not the manifest.
+
+Figures for a 20 M-row manifest are in ``benchmarks/RESULTS.md`` (``bench_where.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardkit.errors import ConfigError, ManifestError, first_line
+from shardkit.format.manifest import parquet_file
+from shardkit.read.annotations import annotation_files
+from shardkit.read.dataset import Dataset
+from shardkit.read.manifest import check_same_pack
+from shardkit.read.manifest_copies import copy_path, keep_copy
+
+__all__ = ["DUCKDB_MEMORY", "duckdb_module", "local_fragments", "where_count", "where_indices"]
+
+# DuckDB's own bound: it spills or fails past it instead of growing with the manifest.
+DUCKDB_MEMORY = "512MB"
+
+
+def duckdb_module() -> Any:
+    """The ``duckdb`` module, imported on first use (it is an optional dependency).
+
+    Returns:
+        The module.
+
+    Raises:
+        ConfigError: duckdb is not installed (with the install hint).
+    """
+    try:
+        import duckdb
+    except ImportError:
+        raise ConfigError('where= needs duckdb: pip install "shardkit[query]"') from None
+    return duckdb
+
+
+def local_fragments(ds: Dataset) -> dict[str, str]:
+    """Local files of every samples fragment of ``ds``: its node manifest copies, each fetched
+    from storage (and checked to be of this pack) when missing; without a copies directory,
+    in a private temp directory of this process.
+
+    Args:
+        ds: the dataset.
+
+    Returns:
+        Fragment name -> local path, in name order.
+
+    Raises:
+        ManifestError: the manifest lacks the per-shard row-group columns, or a fragment is
+            unreadable or of another pack.
+        StorageError: a fragment could not be read.
+    """
+    names = sorted({s.samples_file for s in ds.shard_list if s.num_samples})
+    if any(s.num_samples and (not s.samples_file or s.samples_row_group < 0) for s in ds.shard_list):
+        raise ManifestError(f"{ds.url}: where= needs shards.parquet's samples_file/samples_row_group columns "
+                            "(a manifest of an older shardkit): re-pack or re-index it")
+    where = ds.manifest_cache or tempfile.mkdtemp(prefix="shardkit-where-")
+    out: dict[str, str] = {}
+    for name in names:
+        path = copy_path(where, name)
+        if not os.path.exists(path):
+            data = ds.store.read_bytes(name)
+            check_same_pack(parquet_file(data, ds.store.url_of(name)), ds.store.url_of(name), ds.url, ds.shard_list)
+            keep_copy(where, name, data)  # best effort: renamed into place
+            if not os.path.exists(path):
+                raise ManifestError(f"could not keep a local copy of {ds.store.url_of(name)} in {where}")
+        out[name] = path
+    return out
+
+
+def _connect(ds: Dataset, threads: int | None) -> Any:
+    """A DuckDB connection with the view ``samples`` over ``ds``'s manifest."""
+    duckdb = duckdb_module()
+    files = local_fragments(ds)
+    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "threads": threads or min(os.cpu_count() or 1, 4)})
+    # Per shard, the offset that turns a row's position in its file into its global index.
+    file_first: dict[str, tuple[np.ndarray, int]] = {}
+    for name, path in files.items():
+        try:
+            meta = pq.read_metadata(path)
+        except (pa.ArrowException, OSError) as exc:
+            raise ManifestError(f"local copy of {ds.store.url_of(name)} is unreadable ({first_line(exc)})") from exc
+        starts = np.concatenate(([0], np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])))
+        file_first[name] = (starts, meta.num_row_groups)
+    shard_ids, deltas = [], []
+    for s in ds.shard_list:
+        if not s.num_samples:
+            continue
+        starts, groups = file_first[s.samples_file]
+        if s.samples_row_group >= groups:
+            raise ManifestError(f"{ds.url}: shard {s.shard} names row group {s.samples_row_group} of "
+                                f"{s.samples_file}, which has {groups}")
+        shard_ids.append(s.shard)
+        deltas.append(s.first_sample - int(starts[s.samples_row_group]))
+    con.register("_shard_delta", pa.table({"shard": pa.array(shard_ids, pa.int32()),
+                                           "_delta": pa.array(deltas, pa.int64())}))
+    paths = list(files.values())
+    if not paths:
+        raise ConfigError(f"where= on {ds.url}: the dataset holds no samples")
+    # Paths are local files this module named (quoted as SQL strings: a view cannot take
+    # parameters); the user's condition is parsed by DuckDB as an expression only (filter).
+    listed = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
+    con.execute("CREATE TEMP VIEW _rows AS SELECT p.* EXCLUDE (file_row_number), "
+                "p.file_row_number + d._delta AS __index__ "
+                f"FROM read_parquet([{listed}], file_row_number = true, union_by_name = true) p "
+                "JOIN _shard_delta d USING (shard)")
+    joins, picks = [], []
+    for k, path in enumerate(annotation_files(ds).values()):
+        quoted = "'" + path.replace("'", "''") + "'"
+        con.execute(f"CREATE TEMP VIEW _a{k} AS SELECT * FROM read_parquet({quoted})")
+        cols = [c for c in con.execute(f"SELECT * FROM _a{k} LIMIT 0").arrow().column_names if c != "__index__"]
+        joins.append(f"LEFT JOIN _a{k} ON _a{k}.__index__ = r.__index__")
+        picks.extend(f'_a{k}."{c}"' for c in cols)
+    select = ", ".join(["r.*"] + picks)
+    con.execute(f"CREATE TEMP VIEW samples AS SELECT {select} FROM _rows r {' '.join(joins)}")
+    return con
+
+
+def _filtered(con: Any, ds: Dataset, where: str) -> Any:
+    """The relation of samples matching ``where`` (checked to parse and name known columns)."""
+    if not isinstance(where, str) or not where.strip():
+        raise ConfigError(f"where= must be a non-empty SQL condition, got {where!r}")
+    duckdb = duckdb_module()
+    rel = con.table("samples")
+    try:
+        filtered = rel.filter(where)
+        filtered.limit(0).fetchall()  # binds the expression: unknown columns and type errors show here
+    except duckdb.Error as exc:
+        columns = ", ".join(c for c in rel.columns if c != "__index__")
+        raise ConfigError(f"where={where!r} on {ds.url}: {first_line(exc)} (columns: {columns})") from None
+    return filtered
+
+
+def where_indices(ds: Dataset, where: str, *, threads: int | None = None) -> np.ndarray:
+    """The global indices of the samples of ``ds`` that ``where`` selects.
+
+    Args:
+        ds: the dataset (its ``manifest_cache``, when set, holds the local fragment copies).
+        where: a SQL condition over the manifest's columns (``key``, ``shard``, ``size``, the
+            metadata columns the pack recorded, side columns), e.g. ``"label < 500"``.
+        threads: DuckDB threads (default: the CPUs, at most 4).
+
+    Returns:
+        The selected global sample indices, ascending, int64.
+
+    Raises:
+        ConfigError: duckdb is missing, or ``where`` does not parse or names an unknown
+            column (the line lists the columns there are).
+        ManifestError: a fragment is unreadable or of another pack.
+        StorageError: a fragment could not be read.
+    """
+    con = _connect(ds, threads)
+    try:
+        got = _filtered(con, ds, where).project("__index__").fetchnumpy()["__index__"]
+    finally:
+        con.close()
+    out = np.ascontiguousarray(got, dtype=np.int64)
+    if out.size > 1 and not bool(np.all(out[1:] > out[:-1])):
+        out.sort(kind="stable")
+    return out
+
+
+def where_count(ds: Dataset, where: str, *, threads: int | None = None) -> tuple[int, int]:
+    """How many samples of ``ds`` ``where`` selects, and their bytes.
+
+    Args:
+        ds: the dataset.
+        where: the SQL condition (as :func:`where_indices`).
+        threads: DuckDB threads.
+
+    Returns:
+        (selected samples, the sum of their ``size`` in the shards).
+
+    Raises:
+        ConfigError: as :func:`where_indices`.
+        ManifestError: a fragment is unreadable or of another pack.
+        StorageError: a fragment could not be read.
+    """
+    con = _connect(ds, threads)
+    try:
+        count, size = _filtered(con, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchone()
+    finally:
+        con.close()
+    return int(count), int(size)
