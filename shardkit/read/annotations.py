@@ -26,7 +26,8 @@ from shardkit.errors import ManifestError, first_line
 from shardkit.read.dataset import Dataset
 from shardkit.read.manifest_copies import copy_path, keep_copy
 
-__all__ = ["ANNOTATIONS_DIR", "ANNOTATION_KEY", "Annotations", "annotation_files", "annotation_meta",
+__all__ = ["ANNOTATIONS_DIR", "ANNOTATION_KEY", "Annotations", "annotation_files", "annotation_listing",
+           "annotation_meta",
            "shards_fingerprint"]
 
 ANNOTATIONS_DIR = "manifest/annotations"
@@ -66,7 +67,7 @@ def annotation_meta(ds: Dataset, on: str) -> dict[bytes, bytes]:
 def _check_meta(ds: Dataset, where: str, schema: pa.Schema) -> None:
     raw = (schema.metadata or {}).get(ANNOTATION_KEY)
     try:
-        record = json.loads(raw) if raw is not None else None
+        record: Any = json.loads(raw) if raw is not None else {}
         shards, fp = int(record["num_shards"]), str(record["shards_fingerprint"])
     except (ValueError, TypeError, KeyError):
         raise ManifestError(f"{where}: no readable {ANNOTATION_KEY.decode()} record; write it again with "
@@ -74,6 +75,23 @@ def _check_meta(ds: Dataset, where: str, schema: pa.Schema) -> None:
     if shards > ds.num_shards or shards_fingerprint(ds, shards) != fp:
         raise ManifestError(f"{where} was written for another pack of {ds.url} (its {shards} shards differ): "
                             "annotate the dataset again")
+
+
+def annotation_listing(ds: Dataset) -> list[tuple[str, int]]:
+    """The annotations stored beside ``ds``'s manifest now, with their sizes (what a stored
+    ``where=`` result is keyed by, besides the query: an annotation added or replaced since
+    makes a new one).
+
+    Args:
+        ds: the dataset.
+
+    Returns:
+        (path in the dataset, size in bytes) of each, by path.
+
+    Raises:
+        StorageError: listing failed.
+    """
+    return [(name, ds.store.size(name)) for name in ds.store.glob(f"{ANNOTATIONS_DIR}/*.parquet")]
 
 
 def annotation_files(ds: Dataset) -> dict[str, str]:
@@ -90,15 +108,17 @@ def annotation_files(ds: Dataset) -> dict[str, str]:
         ManifestError: an annotation is unreadable or written for another pack.
         StorageError: listing or reading one failed.
     """
-    names = ds.store.glob(f"{ANNOTATIONS_DIR}/*.parquet")
-    if not names:
+    listed = annotation_listing(ds)
+    if not listed:
         return {}
     where = ds.manifest_cache or tempfile.mkdtemp(prefix="shardkit-annotations-")
     out: dict[str, str] = {}
-    for name in names:
-        path = copy_path(where, name)
+    for name, size in listed:
+        path = copy_path(where, f"{name}.{size}")  # an annotation replaced since gets a new copy
         if not os.path.exists(path):
-            keep_copy(where, name, ds.store.read_bytes(name))
+            keep_copy(where, f"{name}.{size}", ds.store.read_bytes(name))
+            if not os.path.exists(path):
+                raise ManifestError(f"could not keep a local copy of {ds.store.url_of(name)} in {where}")
         try:
             schema = pq.read_schema(path)
         except (pa.ArrowException, OSError) as exc:

@@ -28,6 +28,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from shardkit.cache.files import FileLock
 from shardkit.errors import ConfigError
+from shardkit.read.annotations import annotation_listing
 from shardkit.read.dataset import Dataset
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 
@@ -268,7 +269,8 @@ def select(ds: Dataset, *, where: str | None = None, indices: ArrayLike | None =
         from shardkit.read.where import where_indices  # duckdb only when a query is given
 
         digest = _digest("where", where.encode())
-        arr, computed = _node_result(ds, digest, lambda: where_indices(ds, where))
+        stamp = repr(annotation_listing(ds))  # side columns added or replaced since: evaluated anew
+        arr, computed = _node_result(ds, f"{digest}\0{stamp}", lambda: where_indices(ds, where))
         sel = Selection(arr, ds.first_samples, ds.num_samples, digest, f"where={where!r}", computed)
     if not len(sel):
         raise ConfigError(f"{sel.label} selects no sample of {ds.url}")

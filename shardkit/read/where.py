@@ -29,7 +29,7 @@ from shardkit.read.dataset import Dataset
 from shardkit.read.manifest import check_same_pack
 from shardkit.read.manifest_copies import copy_path, keep_copy
 
-__all__ = ["DUCKDB_MEMORY", "duckdb_module", "local_fragments", "where_count", "where_indices"]
+__all__ = ["DUCKDB_MEMORY", "connect", "duckdb_module", "local_fragments", "where_count", "where_indices"]
 
 # DuckDB's own bound: it spills or fails past it instead of growing with the manifest.
 DUCKDB_MEMORY = "512MB"
@@ -85,8 +85,22 @@ def local_fragments(ds: Dataset) -> dict[str, str]:
     return out
 
 
-def _connect(ds: Dataset, threads: int | None) -> Any:
-    """A DuckDB connection with the view ``samples`` over ``ds``'s manifest."""
+def connect(ds: Dataset, threads: int | None = None) -> Any:
+    """A DuckDB connection with the view ``samples`` over ``ds``'s manifest: every manifest
+    column, the side columns, and ``__index__``, the global sample index.
+
+    Args:
+        ds: the dataset.
+        threads: DuckDB threads (default: the CPUs, at most 4).
+
+    Returns:
+        The connection (close it).
+
+    Raises:
+        ConfigError: duckdb is missing, or the dataset holds no samples.
+        ManifestError: a fragment or annotation is unreadable or of another pack.
+        StorageError: the manifest could not be read.
+    """
     duckdb = duckdb_module()
     files = local_fragments(ds)
     con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "threads": threads or min(os.cpu_count() or 1, 4)})
@@ -121,11 +135,12 @@ def _connect(ds: Dataset, threads: int | None) -> Any:
                 "p.file_row_number + d._delta AS __index__ "
                 f"FROM read_parquet([{listed}], file_row_number = true, union_by_name = true) p "
                 "JOIN _shard_delta d USING (shard)")
-    joins, picks = [], []
+    joins: list[str] = []
+    picks: list[str] = []
     for k, path in enumerate(annotation_files(ds).values()):
         quoted = "'" + path.replace("'", "''") + "'"
         con.execute(f"CREATE TEMP VIEW _a{k} AS SELECT * FROM read_parquet({quoted})")
-        cols = [c for c in con.execute(f"SELECT * FROM _a{k} LIMIT 0").arrow().column_names if c != "__index__"]
+        cols = [c for c in con.table(f"_a{k}").columns if c != "__index__"]
         joins.append(f"LEFT JOIN _a{k} ON _a{k}.__index__ = r.__index__")
         picks.extend(f'_a{k}."{c}"' for c in cols)
     select = ", ".join(["r.*"] + picks)
@@ -166,7 +181,7 @@ def where_indices(ds: Dataset, where: str, *, threads: int | None = None) -> np.
         ManifestError: a fragment is unreadable or of another pack.
         StorageError: a fragment could not be read.
     """
-    con = _connect(ds, threads)
+    con = connect(ds, threads)
     try:
         got = _filtered(con, ds, where).project("__index__").fetchnumpy()["__index__"]
     finally:
@@ -193,7 +208,7 @@ def where_count(ds: Dataset, where: str, *, threads: int | None = None) -> tuple
         ManifestError: a fragment is unreadable or of another pack.
         StorageError: a fragment could not be read.
     """
-    con = _connect(ds, threads)
+    con = connect(ds, threads)
     try:
         count, size = _filtered(con, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchone()
     finally:
