@@ -210,7 +210,7 @@ def where_count(ds: Dataset, where: str, *, threads: int | None = None) -> tuple
     """
     con = connect(ds, threads)
     try:
-        count, size = _filtered(con, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchone()
+        count, size = _filtered(con, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchall()[0]
     finally:
         con.close()
     return int(count), int(size)
