@@ -97,7 +97,8 @@ def annotate(dest: str, table: str | os.PathLike[str] | pa.Table, *, on: str = "
     ds = Dataset(dest, storage_options)
     ds.manifest_cache = manifest_copies_dir(cache_namespace(ds))
     path = f"{ANNOTATIONS_DIR}/{name}.parquet"
-    con = connect(ds)
+    sql = connect(ds)
+    con = sql.con
     try:
         have = [c for c in con.table("samples").columns if c != "__index__"]
         if on not in have:
@@ -135,7 +136,7 @@ def annotate(dest: str, table: str | os.PathLike[str] | pa.Table, *, on: str = "
         # duckdb 1.4 renamed arrow() (which now returns a reader) to to_arrow_table().
         joined = rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
     finally:
-        con.close()
+        sql.close()
     joined = joined.replace_schema_metadata(annotation_meta(ds, on))
     buf = io.BytesIO()
     pq.write_table(joined, buf, compression="zstd")

@@ -29,7 +29,7 @@ from shardkit.read.dataset import Dataset
 from shardkit.read.manifest import check_same_pack
 from shardkit.read.manifest_copies import copy_path, keep_copy
 
-__all__ = ["DUCKDB_MEMORY", "connect", "duckdb_module", "local_fragments", "where_count", "where_indices"]
+__all__ = ["DUCKDB_MEMORY", "ManifestSQL", "connect", "duckdb_module", "local_fragments", "where_count", "where_indices"]
 
 # DuckDB's own bound: it spills or fails past it instead of growing with the manifest.
 DUCKDB_MEMORY = "512MB"
@@ -85,16 +85,68 @@ def local_fragments(ds: Dataset) -> dict[str, str]:
     return out
 
 
-def connect(ds: Dataset, threads: int | None = None) -> Any:
-    """A DuckDB connection with the view ``samples`` over ``ds``'s manifest: every manifest
-    column, the side columns, and ``__index__``, the global sample index.
+class ManifestSQL:
+    """A DuckDB connection over a dataset's manifest (see :func:`connect`).
+
+    Attributes:
+        con: the connection; its view ``samples`` has every manifest column, the side
+            columns and ``__index__`` (the global sample index, made by a join per shard).
+        scan: the SQL of a plain scan of the fragments (every manifest column, with the
+            virtual ``file_index`` and ``file_row_number``): no join, for queries that name
+            no side column.
+        annotated: whether the dataset has side columns.
+    """
+
+    def __init__(self, con: Any, scan: str, firsts: list[tuple[np.ndarray, np.ndarray]], annotated: bool) -> None:
+        self.con, self.scan, self.annotated = con, scan, annotated
+        self._firsts = firsts
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.con.close()
+
+    def global_indices(self, file_index: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """Global sample indices of rows given by (file, row in the file), grouped by file.
+
+        Args:
+            file_index: each row's file (a scan yields them ascending).
+            row: each row's position in its file.
+
+        Returns:
+            The global indices, int64, in the order given.
+
+        Raises:
+            ManifestError: a row lies in a row group no shard names.
+        """
+        if file_index.size > 1 and not bool(np.all(file_index[1:] >= file_index[:-1])):
+            order = np.argsort(file_index, kind="stable")  # a scan yields files in order; in case not
+            out = np.empty(row.size, np.int64)
+            out[order] = self.global_indices(file_index[order], row[order])
+            return out
+        out = np.empty(row.size, np.int64)
+        cuts = np.searchsorted(file_index, np.arange(len(self._firsts) + 1))
+        for k, (starts, firsts) in enumerate(self._firsts):
+            a, z = int(cuts[k]), int(cuts[k + 1])
+            if a == z:
+                continue
+            r = row[a:z].astype(np.int64)
+            g = np.searchsorted(starts, r, side="right") - 1
+            if bool(np.any(firsts[g] < 0)):
+                raise ManifestError("a samples fragment holds a row group no shard of shards.parquet names")
+            out[a:z] = firsts[g] + r - starts[g]
+        return out
+
+
+def connect(ds: Dataset, threads: int | None = None) -> ManifestSQL:
+    """A DuckDB connection over ``ds``'s manifest: the view ``samples`` (every manifest column,
+    the side columns, and ``__index__``, the global sample index) and a plain scan.
 
     Args:
         ds: the dataset.
         threads: DuckDB threads (default: the CPUs, at most 4).
 
     Returns:
-        The connection (close it).
+        The connection and what maps its rows to samples (close it).
 
     Raises:
         ConfigError: duckdb is missing, or the dataset holds no samples.
@@ -103,34 +155,37 @@ def connect(ds: Dataset, threads: int | None = None) -> Any:
     """
     duckdb = duckdb_module()
     files = local_fragments(ds)
-    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "threads": threads or min(os.cpu_count() or 1, 4)})
-    # Per shard, the offset that turns a row's position in its file into its global index.
-    file_first: dict[str, tuple[np.ndarray, int]] = {}
+    if not files:
+        raise ConfigError(f"where= on {ds.url}: the dataset holds no samples")
+    groups_of: dict[tuple[str, int], int] = {(s.samples_file, s.samples_row_group): s.first_sample
+                                             for s in ds.shard_list if s.num_samples}
+    # Per file: where each row group starts, and the global index of its first row.
+    firsts: list[tuple[np.ndarray, np.ndarray]] = []
+    shard_ids, deltas = [], []
     for name, path in files.items():
         try:
             meta = pq.read_metadata(path)
         except (pa.ArrowException, OSError) as exc:
             raise ManifestError(f"local copy of {ds.store.url_of(name)} is unreadable ({first_line(exc)})") from exc
         starts = np.concatenate(([0], np.cumsum([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])))
-        file_first[name] = (starts, meta.num_row_groups)
-    shard_ids, deltas = [], []
+        first = np.array([groups_of.get((name, g), -1) for g in range(meta.num_row_groups)] + [-1], np.int64)
+        firsts.append((starts.astype(np.int64), first))
+    index_of = dict(zip(files, firsts))
     for s in ds.shard_list:
-        if not s.num_samples:
-            continue
-        starts, groups = file_first[s.samples_file]
-        if s.samples_row_group >= groups:
-            raise ManifestError(f"{ds.url}: shard {s.shard} names row group {s.samples_row_group} of "
-                                f"{s.samples_file}, which has {groups}")
-        shard_ids.append(s.shard)
-        deltas.append(s.first_sample - int(starts[s.samples_row_group]))
+        if s.num_samples:
+            starts, _ = index_of[s.samples_file]
+            if s.samples_row_group >= len(starts) - 1:
+                raise ManifestError(f"{ds.url}: shard {s.shard} names row group {s.samples_row_group} of "
+                                    f"{s.samples_file}, which has {len(starts) - 1}")
+            shard_ids.append(s.shard)
+            deltas.append(s.first_sample - int(starts[s.samples_row_group]))
+    con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "threads": threads or min(os.cpu_count() or 1, 4)})
     con.register("_shard_delta", pa.table({"shard": pa.array(shard_ids, pa.int32()),
                                            "_delta": pa.array(deltas, pa.int64())}))
-    paths = list(files.values())
-    if not paths:
-        raise ConfigError(f"where= on {ds.url}: the dataset holds no samples")
     # Paths are local files this module named (quoted as SQL strings: a view cannot take
     # parameters); the user's condition is parsed by DuckDB as an expression only (filter).
-    listed = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
+    listed = ", ".join("'" + p.replace("'", "''") + "'" for p in files.values())
+    scan = f"SELECT file_index, file_row_number, * FROM read_parquet([{listed}], union_by_name = true)"
     con.execute("CREATE TEMP VIEW _rows AS SELECT p.* EXCLUDE (file_row_number), "
                 "p.file_row_number + d._delta AS __index__ "
                 f"FROM read_parquet([{listed}], file_row_number = true, union_by_name = true) p "
@@ -145,20 +200,25 @@ def connect(ds: Dataset, threads: int | None = None) -> Any:
         picks.extend(f'_a{k}."{c}"' for c in cols)
     select = ", ".join(["r.*"] + picks)
     con.execute(f"CREATE TEMP VIEW samples AS SELECT {select} FROM _rows r {' '.join(joins)}")
-    return con
+    return ManifestSQL(con, scan, firsts, bool(joins))
 
 
-def _filtered(con: Any, ds: Dataset, where: str) -> Any:
-    """The relation of samples matching ``where`` (checked to parse and name known columns)."""
+_VIRTUAL = ("file_index", "file_row_number", "__index__")
+
+
+def _filtered(sql: ManifestSQL, ds: Dataset, where: str) -> Any:
+    """The relation of samples matching ``where`` (checked to parse and name known columns):
+    over the plain scan when the dataset has no side columns (no join: the rows come in
+    file order), else over the view ``samples``."""
     if not isinstance(where, str) or not where.strip():
         raise ConfigError(f"where= must be a non-empty SQL condition, got {where!r}")
     duckdb = duckdb_module()
-    rel = con.table("samples")
+    rel = sql.con.table("samples") if sql.annotated else sql.con.sql(sql.scan)
     try:
         filtered = rel.filter(where)
         filtered.limit(0).fetchall()  # binds the expression: unknown columns and type errors show here
     except duckdb.Error as exc:
-        columns = ", ".join(c for c in rel.columns if c != "__index__")
+        columns = ", ".join(c for c in rel.columns if c not in _VIRTUAL)
         raise ConfigError(f"where={where!r} on {ds.url}: {first_line(exc)} (columns: {columns})") from None
     return filtered
 
@@ -181,11 +241,15 @@ def where_indices(ds: Dataset, where: str, *, threads: int | None = None) -> np.
         ManifestError: a fragment is unreadable or of another pack.
         StorageError: a fragment could not be read.
     """
-    con = connect(ds, threads)
+    sql = connect(ds, threads)
     try:
-        got = _filtered(con, ds, where).project("__index__").fetchnumpy()["__index__"]
+        if sql.annotated:
+            got = _filtered(sql, ds, where).project("__index__").fetchnumpy()["__index__"]
+        else:
+            rows = _filtered(sql, ds, where).project("file_index, file_row_number").fetchnumpy()
+            got = sql.global_indices(np.asarray(rows["file_index"], np.int64), np.asarray(rows["file_row_number"]))
     finally:
-        con.close()
+        sql.close()
     out = np.ascontiguousarray(got, dtype=np.int64)
     if out.size > 1 and not bool(np.all(out[1:] > out[:-1])):
         out.sort(kind="stable")
@@ -208,9 +272,9 @@ def where_count(ds: Dataset, where: str, *, threads: int | None = None) -> tuple
         ManifestError: a fragment is unreadable or of another pack.
         StorageError: a fragment could not be read.
     """
-    con = connect(ds, threads)
+    sql = connect(ds, threads)
     try:
-        count, size = _filtered(con, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchall()[0]
+        count, size = _filtered(sql, ds, where).aggregate("count(*), coalesce(sum(size), 0)").fetchall()[0]
     finally:
-        con.close()
+        sql.close()
     return int(count), int(size)
