@@ -94,12 +94,13 @@ def annotation_listing(ds: Dataset) -> list[tuple[str, int]]:
     return [(name, ds.store.size(name)) for name in ds.store.glob(f"{ANNOTATIONS_DIR}/*.parquet")]
 
 
-def annotation_files(ds: Dataset) -> dict[str, str]:
-    """Local files of ``ds``'s annotations (copied next to the manifest copies, or into a temp
-    directory), each checked to be written for this pack.
+def annotation_files(ds: Dataset, scratch: str) -> dict[str, str]:
+    """Local files of ``ds``'s annotations (copied next to the manifest copies, or without
+    them into ``scratch``), each checked to be written for this pack.
 
     Args:
         ds: the dataset.
+        scratch: where copies go when ``ds`` has no ``manifest_cache`` (the caller removes it).
 
     Returns:
         Annotation name -> local path, by name.
@@ -111,7 +112,7 @@ def annotation_files(ds: Dataset) -> dict[str, str]:
     listed = annotation_listing(ds)
     if not listed:
         return {}
-    where = ds.manifest_cache or tempfile.mkdtemp(prefix="shardkit-annotations-")
+    where = ds.manifest_cache or scratch
     out: dict[str, str] = {}
     for name, size in listed:
         path = copy_path(where, f"{name}.{size}")  # an annotation replaced since gets a new copy
@@ -141,10 +142,11 @@ class Annotations:
 
     def __init__(self, ds: Dataset) -> None:
         self.tables: list[tuple[np.ndarray, pa.Table]] = []
-        for path in annotation_files(ds).values():
-            table = pq.read_table(path, use_threads=False)
-            index = table.column("__index__").to_numpy()
-            self.tables.append((index, table.drop_columns(["__index__"])))
+        with tempfile.TemporaryDirectory(prefix="shardkit-annotations-") as scratch:
+            for path in annotation_files(ds, scratch).values():
+                table = pq.read_table(path, use_threads=False)
+                index = table.column("__index__").to_numpy()
+                self.tables.append((index, table.drop_columns(["__index__"])))
 
     @property
     def columns(self) -> list[str]:

@@ -2,12 +2,15 @@
 indices of the samples it selects.
 
 The samples fragments are read from local files (the node's manifest copies, fetched from
-storage once per node when missing), as one DuckDB view ``samples``: every manifest column,
-the side columns of :mod:`shardkit.read.annotations` joined on the sample, and ``__index__``
-(the global sample index). A fragment holds one row group per shard, each shard's rows in
-order, so ``__index__`` is the row's position in its file plus a per-shard offset: a join with
-a table of one row per shard. DuckDB reads only the columns the query names (projection
-pushdown) and streams the files, so memory stays bounded by the result, not the manifest.
+storage once per node when missing). A fragment holds one row group per shard, each shard's
+rows in order, so a row's global index is its position in its file plus a per-row-group
+offset. A query naming no side column is a plain scan of the files that returns each matching
+row's file and position (DuckDB's ``file_index`` and ``file_row_number``), mapped to global
+indices with numpy: no join, rows in order. With side columns (:mod:`shardkit.read.annotations`)
+the query runs over the view ``samples``: every manifest column, ``__index__`` (made by a join
+with a table of one row per shard) and the side columns joined on it. DuckDB reads only the
+columns the query names (projection pushdown) and streams the files, so memory stays bounded
+by the result, not the manifest.
 
 Figures for a 20 M-row manifest are in ``benchmarks/RESULTS.md`` (``bench_where.py``).
 """
@@ -15,6 +18,7 @@ Figures for a 20 M-row manifest are in ``benchmarks/RESULTS.md`` (``bench_where.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -51,13 +55,14 @@ def duckdb_module() -> Any:
     return duckdb
 
 
-def local_fragments(ds: Dataset) -> dict[str, str]:
+def local_fragments(ds: Dataset, scratch: str) -> dict[str, str]:
     """Local files of every samples fragment of ``ds``: its node manifest copies, each fetched
     from storage (and checked to be of this pack) when missing; without a copies directory,
-    in a private temp directory of this process.
+    in ``scratch``.
 
     Args:
         ds: the dataset.
+        scratch: where copies go when ``ds`` has no ``manifest_cache`` (the caller removes it).
 
     Returns:
         Fragment name -> local path, in name order.
@@ -71,7 +76,7 @@ def local_fragments(ds: Dataset) -> dict[str, str]:
     if any(s.num_samples and (not s.samples_file or s.samples_row_group < 0) for s in ds.shard_list):
         raise ManifestError(f"{ds.url}: where= needs shards.parquet's samples_file/samples_row_group columns "
                             "(a manifest of an older shardkit): re-pack or re-index it")
-    where = ds.manifest_cache or tempfile.mkdtemp(prefix="shardkit-where-")
+    where = ds.manifest_cache or scratch
     out: dict[str, str] = {}
     for name in names:
         path = copy_path(where, name)
@@ -86,24 +91,29 @@ def local_fragments(ds: Dataset) -> dict[str, str]:
 
 
 class ManifestSQL:
-    """A DuckDB connection over a dataset's manifest (see :func:`connect`).
+    """A DuckDB connection over a dataset's manifest (made by :func:`connect`).
 
-    Attributes:
+    Args:
         con: the connection; its view ``samples`` has every manifest column, the side
             columns and ``__index__`` (the global sample index, made by a join per shard).
         scan: the SQL of a plain scan of the fragments (every manifest column, with the
             virtual ``file_index`` and ``file_row_number``): no join, for queries that name
             no side column.
+        firsts: per fragment (in the scan's file order), where each row group starts and
+            the global index of its first row.
         annotated: whether the dataset has side columns.
+        scratch: a directory of copies to remove on :meth:`close`.
     """
 
-    def __init__(self, con: Any, scan: str, firsts: list[tuple[np.ndarray, np.ndarray]], annotated: bool) -> None:
+    def __init__(self, con: Any, scan: str, firsts: list[tuple[np.ndarray, np.ndarray]], annotated: bool,
+                 scratch: str) -> None:
         self.con, self.scan, self.annotated = con, scan, annotated
-        self._firsts = firsts
+        self._firsts, self._scratch = firsts, scratch
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connection and remove the copies made without a node copies directory."""
         self.con.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def global_indices(self, file_index: np.ndarray, row: np.ndarray) -> np.ndarray:
         """Global sample indices of rows given by (file, row in the file), grouped by file.
@@ -154,7 +164,16 @@ def connect(ds: Dataset, threads: int | None = None) -> ManifestSQL:
         StorageError: the manifest could not be read.
     """
     duckdb = duckdb_module()
-    files = local_fragments(ds)
+    scratch = tempfile.mkdtemp(prefix="shardkit-where-")
+    try:
+        return _connect(ds, threads, duckdb, scratch)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def _connect(ds: Dataset, threads: int | None, duckdb: Any, scratch: str) -> ManifestSQL:
+    files = local_fragments(ds, scratch)
     if not files:
         raise ConfigError(f"where= on {ds.url}: the dataset holds no samples")
     groups_of: dict[tuple[str, int], int] = {(s.samples_file, s.samples_row_group): s.first_sample
@@ -192,7 +211,7 @@ def connect(ds: Dataset, threads: int | None = None) -> ManifestSQL:
                 "JOIN _shard_delta d USING (shard)")
     joins: list[str] = []
     picks: list[str] = []
-    for k, path in enumerate(annotation_files(ds).values()):
+    for k, path in enumerate(annotation_files(ds, scratch).values()):
         quoted = "'" + path.replace("'", "''") + "'"
         con.execute(f"CREATE TEMP VIEW _a{k} AS SELECT * FROM read_parquet({quoted})")
         cols = [c for c in con.table(f"_a{k}").columns if c != "__index__"]
@@ -200,7 +219,7 @@ def connect(ds: Dataset, threads: int | None = None) -> ManifestSQL:
         picks.extend(f'_a{k}."{c}"' for c in cols)
     select = ", ".join(["r.*"] + picks)
     con.execute(f"CREATE TEMP VIEW samples AS SELECT {select} FROM _rows r {' '.join(joins)}")
-    return ManifestSQL(con, scan, firsts, bool(joins))
+    return ManifestSQL(con, scan, firsts, bool(joins), scratch)
 
 
 _VIRTUAL = ("file_index", "file_row_number", "__index__")

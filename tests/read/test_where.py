@@ -218,3 +218,15 @@ def test_an_annotation_holds_for_its_shards_and_more_appended_not_another_pack(t
     assert where_indices(opened(grown), "x = 1").tolist() == [1]
     with pytest.raises(ManifestError, match="was written for another pack"):
         where_indices(opened(other), "x = 1")
+
+
+def test_without_node_copies_a_query_leaves_no_files_behind(url: str) -> None:
+    import tempfile
+
+    def scratch() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("shardkit-where-*")}
+
+    before = scratch()
+    ds = Dataset(url)  # manifest_cache None: fragments copied to a scratch directory, then removed
+    assert where_indices(ds, "label = 2").tolist() == where_indices(opened(url), "label = 2").tolist()
+    assert scratch() == before
