@@ -134,16 +134,19 @@ class ManifestSQL:
             out[order] = self.global_indices(file_index[order], row[order])
             return out
         out = np.empty(row.size, np.int64)
-        cuts = np.searchsorted(file_index, np.arange(len(self._firsts) + 1))
+        cuts = np.searchsorted(file_index, np.arange(len(self._firsts) + 1, dtype=file_index.dtype))
         for k, (starts, firsts) in enumerate(self._firsts):
             a, z = int(cuts[k]), int(cuts[k + 1])
             if a == z:
                 continue
-            r = row[a:z].astype(np.int64)
+            r = row[a:z]
             g = np.searchsorted(starts, r, side="right") - 1
-            if bool(np.any(firsts[g] < 0)):
+            first = firsts[g]
+            if int(first.min()) < 0:
                 raise ManifestError("a samples fragment holds a row group no shard of shards.parquet names")
-            out[a:z] = firsts[g] + r - starts[g]
+            first += r
+            first -= starts[g]
+            out[a:z] = first
         return out
 
 
@@ -266,7 +269,7 @@ def where_indices(ds: Dataset, where: str, *, threads: int | None = None) -> np.
             got = _filtered(sql, ds, where).project("__index__").fetchnumpy()["__index__"]
         else:
             rows = _filtered(sql, ds, where).project("file_index, file_row_number").fetchnumpy()
-            got = sql.global_indices(np.asarray(rows["file_index"], np.int64), np.asarray(rows["file_row_number"]))
+            got = sql.global_indices(rows["file_index"], np.asarray(rows["file_row_number"], np.int64))
     finally:
         sql.close()
     out = np.ascontiguousarray(got, dtype=np.int64)
