@@ -31,7 +31,7 @@ from shardkit.read.dataset import Dataset
 from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
 from shardkit.read.partition import EpochOrder, Range, rank_ranges, samples_per_rank, schedule_shards, worker_ranges, worker_schedule
-from shardkit.read.selection import select
+from shardkit.read.selection import SELECTION_GAPS, select
 from shardkit.datasets.selected import selection_state, with_annotations
 from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
 from shardkit.read.cache_refs import cache_namespace
@@ -343,7 +343,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.plan(sched)
             planned = worker_schedule(order, ranges)
             if source.cache is None:  # read only the segments of shards this reader needs
-                why = SPREAD_OVER_WORKERS if topo.num_workers > 1 else SHARE_EDGE
+                why = (SELECTION_GAPS if self.selection is not None else SPREAD_OVER_WORKERS if topo.num_workers > 1
+                       else SHARE_EDGE)
                 source.segment_plan = SegmentPlanner(order, ranges, source.rows,
                                                      functools.partial(self._control.say_once, "waste"), why)
                 planned = source.segment_plan.split(planned)

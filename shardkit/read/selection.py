@@ -32,11 +32,16 @@ from shardkit.read.annotations import annotation_listing
 from shardkit.read.dataset import Dataset
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 
-__all__ = ["SelectedOrder", "Selection", "check_indices", "select"]
+__all__ = ["SELECTION_GAPS", "SelectedOrder", "Selection", "check_indices", "select"]
 
 log = logging.getLogger(__name__)
 
 IntArray = NDArray[np.int64]
+
+# Why a reader without a cache fetches more than its selected samples, for the segment
+# planner's warning (shardkit.read.segments).
+SELECTION_GAPS = ("the unselected samples between its selected ones are gaps under 1 MiB, read through (cheaper "
+                  "than a request each); a selection of contiguous runs, or larger samples, avoids it")
 
 
 def check_indices(indices: ArrayLike, num_samples: int) -> IntArray:
