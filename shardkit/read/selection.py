@@ -273,9 +273,12 @@ def select(ds: Dataset, *, where: str | None = None, indices: ArrayLike | None =
             raise ConfigError(f"where= must be a non-empty SQL condition, got {where!r}")
         from shardkit.read.where import where_indices  # duckdb only when a query is given
 
-        digest = _digest("where", where.encode())
-        stamp = repr(annotation_listing(ds))  # side columns added or replaced since: evaluated anew
-        arr, computed = _node_result(ds, f"{digest}\0{stamp}", lambda: where_indices(ds, where))
+        # The side columns as they are now (names and sizes, not where they live) are part of
+        # what the query means: one added or replaced since makes another selection, both for
+        # the node's stored result and for a resume state.
+        stamp = repr(annotation_listing(ds))
+        digest = _digest("where", f"{where}\0{stamp}".encode())
+        arr, computed = _node_result(ds, digest, lambda: where_indices(ds, where))
         sel = Selection(arr, ds.first_samples, ds.num_samples, digest, f"where={where!r}", computed)
     if not len(sel):
         raise ConfigError(f"{sel.label} selects no sample of {ds.url}")

@@ -156,6 +156,11 @@ def test_side_columns_come_with_samples_and_batches(tmp_path: Path) -> None:
         idx = batch["__index__"].tolist()
         assert batch["__annotations__"]["score"] == [i / 10 if i % 2 == 0 else None for i in idx]
     assert "__annotations__" not in next(iter(StreamingDataset(dest)))
+    # Side columns added since a state was saved change what the query selects: refused.
+    state = s.state_dict()
+    shardkit.annotate(dest, pa.table({"key": ["s00001"], "extra": [1]}), name="more")
+    with pytest.raises(ConfigError, match="resume with the same where="):
+        StreamingDataset(dest, where="score >= 5").load_state_dict(state)
 
 
 def test_shard_dataset_over_a_selection(url: str) -> None:
