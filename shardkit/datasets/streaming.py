@@ -248,7 +248,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
         Raises:
             ConfigError: the state is malformed, from another version, saved on other data,
-                or made with another seed, shuffle or shuffle_block.
+                or made with another seed, shuffle, shuffle_block or selection (``where``/``indices``).
         """
         check_state(state, self.ds, seed=self.seed, shuffle=self.shuffle, shuffle_block=self.shuffle_block,
                     **selection_state(self.selection))
