@@ -30,6 +30,7 @@ _LAZY = {
     "ShardWriter": ".packing.writer",
     "CenterCrop": ".batch.codecs",
     "index_tars": ".packing.index",
+    "annotate": ".packing.annotate",
     "unpack": ".batch.collate",
     "Stream": ".read.stream",
     "Parts": ".packing.sources.parts",

@@ -123,6 +123,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     ds = open_dataset(args.dest)
     info = dict(ds.info)
     versions = version_infos(ds.store) if ds.version > 1 else []
+    if args.where is not None:
+        info["selected"] = _selected(ds, args.where)
     if args.json:
         if versions:  # a dataset never appended to prints its dataset.json unchanged
             info["versions"] = [vars(v) for v in versions]
@@ -148,6 +150,34 @@ def _cmd_info(args: argparse.Namespace) -> int:
                   "that the webdataset library skips too")
         else:
             print(f"skipped   {len(info['skipped'])} inputs at pack time")
+    if "selected" in info:
+        sel = info["selected"]
+        print(f"selected  {sel['num_samples']} of {ds.num_samples} samples ({human_bytes(sel['bytes'])}) "
+              f"where {sel['where']}")
+    return 0
+
+
+def _selected(ds: Any, where: str) -> dict[str, Any]:
+    """``info --where``: the count and bytes of the samples the query selects."""
+    from shardkit.read.cache_refs import cache_namespace
+    from shardkit.read.manifest_copies import manifest_copies_dir
+    from shardkit.read.where import where_count
+
+    ds.manifest_cache = manifest_copies_dir(cache_namespace(ds))  # a second query reads local copies
+    count, size = where_count(ds, where)
+    return {"where": where, "num_samples": count, "bytes": size}
+
+
+def _cmd_annotate(args: argparse.Namespace) -> int:
+    """``shardkit annotate``: :func:`shardkit.packing.annotate.annotate`, then a summary (or ``--json``)."""
+    from shardkit.packing.annotate import annotate
+
+    _check_scheme(args.dest, "DEST")
+    out = annotate(args.dest, args.table, on=args.on, name=args.name, overwrite=args.overwrite)
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"annotated {out['rows']} samples with {', '.join(out['columns'])} at {out['path']}")
     return 0
 
 
@@ -267,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     inf = sub.add_parser("info", help="summary of a dataset")
     inf.add_argument("dest")
     inf.add_argument("--json", action="store_true")
+    inf.add_argument("--where", help="also count the samples (and bytes) this SQL condition over the manifest "
+                                     "selects, e.g. \"label < 500\" (needs shardkit[query])")
     inf.set_defaults(func=_cmd_info)
 
     vf = sub.add_parser("verify", help="check shards against the manifest")
@@ -283,6 +315,15 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--json", action="store_true")
     ix.add_argument("--quiet", action="store_true")
     ix.set_defaults(func=_cmd_index)
+
+    an = sub.add_parser("annotate", help="add a Parquet table's columns to a dataset's manifest (side columns)")
+    an.add_argument("dest")
+    an.add_argument("table", help="a Parquet file: a column to join on and the columns to add")
+    an.add_argument("--on", default="key", help="the column joining table rows to samples (default: key)")
+    an.add_argument("--name", help="the annotation's name (default: the table file's stem)")
+    an.add_argument("--overwrite", action="store_true", help="replace an annotation of the same name")
+    an.add_argument("--json", action="store_true")
+    an.set_defaults(func=_cmd_annotate)
 
     # No -h of its own: every argument, -h included, goes through to benchmarks.run.
     bn = sub.add_parser("bench", help="throughput side by side with baselines (see benchmarks/)", add_help=False)

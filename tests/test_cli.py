@@ -495,3 +495,47 @@ def test_info_into_a_closed_pipe_exits_quietly(source: Path, tmp_path: Path) -> 
     p.stdout.close()  # before the command has started: its first write finds no reader
     _, err = p.communicate(timeout=60)
     assert err == "" and p.returncode == 141
+
+
+# --------------------------------------------------------------------------- subsets and side columns
+
+
+def _labelled(dest: str) -> None:
+    shardkit.pack(iter({"__key__": f"k{i:03d}", "bin": bytes([i % 256]) * (100 + i), "__meta__": {"label": i % 10}}
+                       for i in range(60)), dest, shard_samples=10, progress=False)
+
+
+def test_info_where_prints_the_selected_count_and_bytes(tmp_path: Path) -> None:
+    dest = str(tmp_path / "ds")
+    _labelled(dest)
+    r = cli("info", dest, "--where", "label < 3")
+    assert r.returncode == 0, r.stderr
+    size = sum(100 + i for i in range(60) if i % 10 < 3)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("selected")]
+    assert len(line) == 1 and line[0].startswith("selected  18 of 60 samples (") and "where label < 3" in line[0]
+    r = cli("info", dest, "--where", "label < 3", "--json")
+    selected = json.loads(r.stdout)["selected"]
+    assert selected["num_samples"] == 18 and selected["where"] == "label < 3"
+    assert size < selected["bytes"] < size + 60 * 2048  # the samples' tar members, headers included
+    r = cli("info", dest, "--where", "lable < 3")
+    assert r.returncode == 2 and "lable" in one_line(r.stderr) and "columns: key, shard" in r.stderr
+
+
+def test_annotate_round_trip_and_a_bad_table_in_one_line(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    dest = str(tmp_path / "ds")
+    _labelled(dest)
+    table = tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"key": [f"k{i:03d}" for i in range(0, 60, 3)], "score": list(range(0, 60, 3))}), table)
+    r = cli("annotate", dest, str(table), "--on", "key")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("annotated 20 samples with score at ") and "manifest/annotations/scores.parquet" in r.stdout
+    r = cli("info", dest, "--where", "score >= 30 AND label < 5", "--json")
+    assert json.loads(r.stdout)["selected"]["num_samples"] == len([i for i in range(30, 60, 3) if i % 10 < 5])
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"key": ["k001", "zzz", "yyy"], "x": [1, 2, 3]}), bad)
+    r = cli("annotate", dest, str(bad))
+    assert r.returncode == 2, r.stderr
+    assert "2 key value(s) are not in" in one_line(r.stderr) and "'yyy', 'zzz'" in r.stderr

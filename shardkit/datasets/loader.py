@@ -116,6 +116,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             return "a mixture of streams collates its batches from samples (no raw batches to write into it)"
         if self.num_workers < 1:
             return "needs num_workers > 0"
+        if getattr(dataset, "annotations", False):  # side columns ride with copied batches, not ring slots
+            return "not with StreamingDataset(annotations=True)"
         ctx = self.multiprocessing_context
         method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
         if method != "fork":

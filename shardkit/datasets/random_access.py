@@ -40,6 +40,7 @@ from shardkit.read.checked import read_checked, read_sample
 from shardkit.read.dataset import Dataset
 from shardkit.read.decode import make_decoder, npy_view
 from shardkit.read.manifest_copies import manifest_copies_dir
+from shardkit.read.selection import select
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 from shardkit.read.samples import sample_dict
 from shardkit.read.cache_refs import cache_namespace
@@ -79,6 +80,11 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         max_open_shards: cached shards kept mapped (and pinned against eviction) per process.
         version: the dataset version (None: the latest when it is made; see
             :mod:`shardkit.read.versions`).
+        where: only the samples this SQL condition over the manifest's columns selects (as
+            in :class:`~shardkit.StreamingDataset`): ``len`` is the selected count and index
+            ``i`` is the selection's ``i``-th sample (in global order; ``__index__`` stays
+            the global index).
+        indices: only these global sample indices (sorted; each at most once); not with ``where``.
 
     Raises:
         ConfigError: a bad option (``concurrency`` or ``max_open_shards`` below 1,
@@ -90,7 +96,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
                  decode: str | Callable[[dict[str, Any]], Any] | None = None,
                  storage_options: dict[str, Any] | None = None, part_size: int | str = "16MB",
                  concurrency: int = 8, *, cache_shards: bool = False, transport: Transport = "auto",
-                 max_open_shards: int = 4, version: int | None = None) -> None:
+                 max_open_shards: int = 4, version: int | None = None, where: str | None = None,
+                 indices: Any = None) -> None:
         # Every option checked before any I/O, each error naming it (a float, a str, nan).
         concurrency = int_arg("concurrency", concurrency, 1)
         max_open_shards = int_arg("max_open_shards", max_open_shards, 1)
@@ -103,6 +110,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.url = self.ds.url
         # As StreamingDataset: manifests bounded in memory, copies local, with or without a cache.
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
+        self.selection = select(self.ds, where=where, indices=indices)
         self.decode = decode
         self.concurrency = concurrency
         self.cache_shards = bool(cache_shards)
@@ -142,7 +150,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         return f"ShardDataset({self.url!r}, samples={len(self)}, cache_dir={self.cache_dir!r})"
 
     def __len__(self) -> int:
-        return self.ds.num_samples
+        return self.ds.num_samples if self.selection is None else len(self.selection)
 
     def close(self) -> None:
         """Unpin the cached shards this process holds open (arrays already returned stay valid).
@@ -178,7 +186,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         """Where global sample ``index`` lies.
 
         Args:
-            index: global sample index (negative counts from the end).
+            index: global sample index (negative counts from the end); with ``where`` or
+                ``indices``, the position in the selection.
 
         Returns:
             ``(shard, position in the shard)``.
@@ -196,6 +205,8 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample index {index} out of range for {n} samples in {self.url}")
+        if self.selection is not None:
+            i = self.selection.global_index(i)
         shard = int(np.searchsorted(self._first, i, side="right")) - 1
         return shard, i - int(self._first[shard])
 
@@ -215,10 +226,10 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
             key: a sample key.
 
         Returns:
-            The sample's global index.
+            The sample's global index (with ``where``/``indices``: its position in the selection).
 
         Raises:
-            SampleNotFoundError: no sample has that key.
+            SampleNotFoundError: no sample has that key (or it is not selected).
             ManifestError: the manifest's key columns disagree with its shard table.
         """
         if self._key_index is None:
@@ -226,6 +237,11 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         found = self._key_index.find(str(key))
         if found is None:
             raise SampleNotFoundError(f"no sample with key {key!r} in {self.url}")
+        if self.selection is not None:
+            at = int(np.searchsorted(self.selection.indices, found))
+            if at >= len(self.selection) or int(self.selection.indices[at]) != found:
+                raise SampleNotFoundError(f"sample {key!r} of {self.url} is not in {self.selection.label}")
+            return at
         return found
 
     def by_key(self, key: str) -> Any:

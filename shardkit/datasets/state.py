@@ -26,7 +26,8 @@ STATE_KEYS = ("num_samples", "epoch", "seed", "shuffle", "shuffle_block", "drop_
 
 
 def make_state(ds: Dataset, *, epoch: int, seed: int, shuffle: bool, shuffle_block: int, drop_last: bool,
-               world_size: int, remaining: list[Range], consumed: int) -> dict[str, Any]:
+               world_size: int, remaining: list[Range], consumed: int, selection: str | None = None,
+               num_samples: int | None = None) -> dict[str, Any]:
     """The resumable position of a stream over ``ds``.
 
     Args:
@@ -39,21 +40,25 @@ def make_state(ds: Dataset, *, epoch: int, seed: int, shuffle: bool, shuffle_blo
         world_size: ranks reading the epoch.
         remaining: the epoch's sample ranges not consumed before it (re)started.
         consumed: samples each rank has consumed of ``remaining``.
+        selection: the digest of the stream's ``where``/``indices`` selection, if any.
+        num_samples: the samples an epoch holds (the selected count; default: the dataset's).
 
     Returns:
-        The state dict (JSON-able).
+        The state dict (JSON-able); with a selection, it has ``"selection"`` too.
     """
-    return {
+    extra = {} if selection is None else {"selection": selection}
+    return extra | {
         "version": STATE_VERSION, "dataset": ds.url, "created": ds.info.get("created"),
         "fingerprint": ds.fingerprint, "dataset_version": ds.version,
-        "num_samples": ds.num_samples, "epoch": epoch, "seed": seed, "shuffle": shuffle,
+        "num_samples": ds.num_samples if num_samples is None else num_samples, "epoch": epoch, "seed": seed, "shuffle": shuffle,
         "shuffle_block": shuffle_block, "drop_last": drop_last, "world_size": world_size,
         "remaining": [list(r) for r in remaining],
         "consumed_per_rank": int(consumed),
     }
 
 
-def check_state(state: Any, ds: Dataset, *, seed: int, shuffle: bool, shuffle_block: int) -> None:
+def check_state(state: Any, ds: Dataset, *, seed: int, shuffle: bool, shuffle_block: int,
+                selection: str | None = None, num_samples: int | None = None) -> None:
     """Refuse a state that this stream cannot resume: every field is checked, by type and
     against the dataset, before anything is sized from it (a ``remaining`` range of 10**9
     samples would otherwise be allocated, and ``len(stream)`` report it).
@@ -64,6 +69,8 @@ def check_state(state: Any, ds: Dataset, *, seed: int, shuffle: bool, shuffle_bl
         seed: this stream's shuffle seed.
         shuffle: whether this stream shuffles.
         shuffle_block: this stream's shards per shuffle block.
+        selection: the digest of this stream's selection (None: the whole dataset).
+        num_samples: the samples an epoch of this stream holds (default: the dataset's).
 
     Raises:
         ConfigError: in one line: ``state`` is not a dict, has another version, lacks keys,
@@ -81,7 +88,12 @@ def check_state(state: Any, ds: Dataset, *, seed: int, shuffle: bool, shuffle_bl
         raise ConfigError(f"state_dict: missing {', '.join(map(repr, missing))} (a truncated checkpoint, "
                           "or not one from StreamingDataset.state_dict)")
     _check_same_data(state, ds)
-    n = ds.num_samples
+    if state.get("selection") != selection:
+        saved, ours = state.get("selection"), selection
+        raise ConfigError("state_dict: saved on " + (f"a selection ({saved})" if saved else "the whole dataset")
+                          + ", this stream reads " + (f"another selection ({ours})" if ours else "the whole dataset")
+                          + ": resume with the same where=/indices= it was saved with")
+    n = ds.num_samples if num_samples is None else num_samples
     for name, kind in (("num_samples", int), ("epoch", int), ("seed", int), ("shuffle_block", int),
                        ("world_size", int), ("consumed_per_rank", int), ("shuffle", bool), ("drop_last", bool)):
         value = state[name]

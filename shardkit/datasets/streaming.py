@@ -31,6 +31,8 @@ from shardkit.read.dataset import Dataset
 from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
 from shardkit.read.partition import EpochOrder, Range, rank_ranges, samples_per_rank, schedule_shards, worker_ranges, worker_schedule
+from shardkit.read.selection import SELECTION_GAPS, select
+from shardkit.datasets.selected import selection_state, with_annotations
 from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
 from shardkit.read.cache_refs import cache_namespace
 from shardkit.read.shard_source import ShardSource
@@ -119,6 +121,15 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         version: the dataset version to stream (see :mod:`shardkit.read.versions`); None: the
             latest committed when the stream is made. The stream keeps reading that version
             while later ones are appended, and its state loads only on that version.
+        where: stream only the samples this SQL condition over the manifest's columns selects
+            (``"label < 500 AND width >= 224"``; needs ``shardkit[query]``), evaluated once per
+            node (see :mod:`shardkit.read.selection`); ranks, workers, ``len`` and resume then
+            cover exactly the selection, and shards holding none of it are never fetched.
+        indices: stream only these global sample indices (in any order, each at most once);
+            not with ``where``.
+        annotations: add the dataset's side columns (``shardkit annotate``) to each sample
+            dict as ``sample["__annotations__"]`` (a dict; with ``batch_size``, a dict of
+            lists per batch); read once per process, in memory.
 
     Raises:
         ConfigError: a bad option (a number out of range, ``zero_copy`` without what it needs,
@@ -142,7 +153,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  storage_options: dict[str, Any] | None = None, *, shuffle_block: int = DEFAULT_BLOCK_SHARDS,
                  loader_batch_size: int | None = None, prefetch: int | None = None, verify: bool = True,
                  read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
-                 world_size: int | None = None, metrics_port: int | None = None, version: int | None = None) -> None:
+                 world_size: int | None = None, metrics_port: int | None = None, version: int | None = None,
+                 where: str | None = None, indices: Any = None, annotations: bool = False) -> None:
         # Numbers checked before any I/O, each with its own name (a str from an argument
         # parser would otherwise fail as a bare TypeError, a float in an internal name later).
         batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
@@ -159,6 +171,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
         # stream without a cache: they bound the manifest each worker holds (read.dataset.Dataset).
         self.ds.manifest_cache = manifest_copies_dir(cache_namespace(self.ds))
+        self.selection = select(self.ds, where=where, indices=indices)
+        self.annotations = bool(annotations)
         self.cache_limit = cache_limit
         biggest = max(self.ds.shard_list, key=lambda i: i.bytes, default=None)
         if self.cache_dir is not None and biggest is not None and biggest.bytes > self.cache_limit:
@@ -218,7 +232,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self._write_control()
 
     def _remaining_now(self) -> list[Range]:
-        return self._remaining if self._remaining is not None else [(0, self.ds.num_samples)]
+        return self._remaining if self._remaining is not None else [(0, self._num_samples())]
+
+    def _num_samples(self) -> int:
+        """Samples an epoch holds: the selected ones with ``where``/``indices``."""
+        return len(self.selection) if self.selection is not None else self.ds.num_samples
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The resumable position, to save with a checkpoint.
@@ -235,7 +253,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         topo = current(self.rank, self.world_size, self._parent)
         return make_state(self.ds, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
                           shuffle_block=self.shuffle_block, drop_last=self.drop_last, world_size=topo.world_size,
-                          remaining=self._remaining_now(), consumed=self._yielded if consumed is None else consumed)
+                          remaining=self._remaining_now(), consumed=self._yielded if consumed is None else consumed,
+                          **selection_state(self.selection))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a stopped epoch, possibly with another world size or worker count.
@@ -246,9 +265,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
 
         Raises:
             ConfigError: the state is malformed, from another version, saved on other data,
-                or made with another seed, shuffle or shuffle_block.
+                or made with another seed, shuffle, shuffle_block or selection (``where``/``indices``).
         """
-        check_state(state, self.ds, seed=self.seed, shuffle=self.shuffle, shuffle_block=self.shuffle_block)
+        check_state(state, self.ds, seed=self.seed, shuffle=self.shuffle, shuffle_block=self.shuffle_block,
+                    **selection_state(self.selection))
         self.epoch, self._remaining = resume_point(state)
         self._yielded = 0
         self._write_control()
@@ -263,7 +283,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             return self.epoch, self._remaining_now()
         remaining = state["remaining"]
         return int(state["epoch"]), ([(int(a), int(b)) for a, b in remaining] if remaining is not None
-                                     else [(0, self.ds.num_samples)])
+                                     else [(0, self._num_samples())])
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -308,8 +328,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         """
         topo = current(self.rank, self.world_size, self._parent)
         epoch, remaining = self._read_control()
-        order = EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                           block_shards=self.shuffle_block)
+        order = (EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                            block_shards=self.shuffle_block) if self.selection is None
+                 else self.selection.order(epoch, self.seed, self.shuffle, self.shuffle_block))
         mine = rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last)
         ranges = worker_ranges(mine, topo.worker, topo.num_workers, self.chunk)
         in_worker = not in_main_process()
@@ -339,7 +360,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             source.plan(sched)
             planned = worker_schedule(order, ranges)
             if source.cache is None:  # read only the segments of shards this reader needs
-                why = SPREAD_OVER_WORKERS if topo.num_workers > 1 else SHARE_EDGE
+                why = (SELECTION_GAPS if self.selection is not None else SPREAD_OVER_WORKERS if topo.num_workers > 1
+                       else SHARE_EDGE)
                 source.segment_plan = SegmentPlanner(order, ranges, source.rows,
                                                      functools.partial(self._control.say_once, "waste"), why)
                 planned = source.segment_plan.split(planned)
@@ -347,11 +369,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                                    batch_size=self.batch_size, drop_last=self.drop_last, chunk=self.chunk,
                                    decode=self.decode, tight=tight, tick=functools.partial(self._tick, source),
                                    ring=self.ring, worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS)
+            side = with_annotations(self.ds) if self.annotations else None
             if self.batch_size is None:
                 for s in builder.samples():
                     if in_main:
                         self._yielded += 1
-                    yield s
+                    yield s if side is None else side(s)
             else:
                 batches = (builder.decoded_batches() if self.decode is not None
                            else builder.view_batches() if self.zero_copy
@@ -363,7 +386,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                         continue
                     if in_main:
                         self._yielded += len(b["__key__"])
-                    yield to_torch(b)
+                    yield to_torch(b if side is None else side(b))
         finally:
             self._live = None
             if batches is not None:
