@@ -102,6 +102,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
               f"({rate:.1f} MB/s, {sample_rate(info['num_samples'], info['elapsed_seconds'])})")
         if info["reused_tasks"]:
             print(f"resumed: {info['reused_tasks']} of {info['tasks']} tasks were already complete")
+        if info.get("nodes"):
+            per_node = ", ".join(f"{node[:8]} ({n} tasks)" for node, n in info["nodes"].items())
+            print(f"ran on {len(info['nodes'])} Ray node{'s' if len(info['nodes']) != 1 else ''}: {per_node}")
         if info["skipped"]:
             print(f"skipped {len(info['skipped'])} bad inputs (listed in dataset.json):")
             for s in info["skipped"][:10]:

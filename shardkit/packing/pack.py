@@ -76,7 +76,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
-        earlier run completed) and ``tasks``.
+        earlier run completed), ``tasks``, and with ``engine="ray"`` ``nodes`` (Ray node id ->
+        tasks it packed in this run).
 
     Raises:
         ConfigError: a bad option, an engine that is not installed, or a destination nested
