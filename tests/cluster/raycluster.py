@@ -62,6 +62,7 @@ class Node:
         temp_dir: its ``--temp-dir``.
         pgid: the process group of its daemons (the ``ray start`` that spawned them leads it).
         node_id: Ray's hex node id, once the cluster is up.
+        log: the output of its ``ray start``.
     """
 
     name: str
@@ -107,7 +108,7 @@ class RayCluster:
                 f"--metrics-export-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                 f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
                 # 0: each worker binds a port the OS picks (the default is a fixed shared range).
-                "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats"]
+                "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats", "--log-style=record"]
 
     def _start(self, node: Node, args: list[str], env: dict[str, str], shim: bool = False) -> None:
         node.temp_dir.mkdir(parents=True, exist_ok=True)
@@ -120,10 +121,12 @@ class RayCluster:
             try:
                 code = proc.wait(timeout=START_TIMEOUT)
             except subprocess.TimeoutExpired:
-                code = -1
+                code = None
         if code != 0:
-            tail = node.log.read_text(errors="replace")[-2000:]
-            raise ClusterError(f"ray start of the {node.name} node failed (exit {code}); its output ends:\n{tail}")
+            said = [ln.strip() for ln in node.log.read_text(errors="replace").splitlines() if ln.strip()]
+            last = said[-1][-300:] if said else "no output"
+            ran = "timed out after %.0fs" % START_TIMEOUT if code is None else f"exit {code}"
+            raise ClusterError(f"ray start of the {node.name} node on {self.address} failed ({ran}): {last}")
 
     def start(self) -> None:
         """Start the head, then the worker, and wait until both are alive.
@@ -215,7 +218,7 @@ class RayCluster:
         for node in (self.worker, self.head):
             if not node.pgid:
                 continue
-            for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
                 for pid in self._pids(node):
                     try:
                         os.kill(pid, sig)
