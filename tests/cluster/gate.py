@@ -2,9 +2,10 @@
 
 Each held load first leaves a mark ``<node id>.<key>`` in a directory the test watches (the
 node from Ray's runtime context), then waits while a flag file exists and until tasks on
-``nodes`` distinct Ray nodes have reached the gate (bounded: after ``timeout`` it goes on, and
-the test's own assertions say what did not happen). Everything else is the wrapped source's,
-so the pack's plan is the plain source's plan: a plain rerun resumes it.
+``nodes`` distinct Ray nodes have reached the gate (bounded: ``timeout`` seconds after the
+first load reached it, every load goes on, and the test's own assertions say what did not
+happen). Everything else is the wrapped source's, so the pack's plan is the plain source's
+plan: a plain rerun resumes it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def marked_nodes(marks: str | Path) -> set[str]:
         return set()
 
 
+def _first_mark(marks: str | Path) -> float:
+    """When the first mark was left in ``marks`` (now if none was)."""
+    times = [e.stat().st_mtime for e in os.scandir(marks)]
+    return min(times) if times else time.time()
+
+
 class Gate:
     """Wraps a source; ``load`` of the items from index ``held_from`` on waits at the gate.
 
@@ -34,11 +41,11 @@ class Gate:
         flag: a file; loads wait while it exists (None: no flag).
         nodes: loads wait until tasks on this many nodes are at the gate.
         held_from: the position (in listing order) of the first item held.
-        timeout: the most seconds one load waits.
+        timeout: the most seconds loads wait, from the first load that reached the gate.
     """
 
     def __init__(self, inner: Any, marks: str, flag: str | None = None, nodes: int = 1, held_from: int = 0,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 90.0) -> None:
         self.inner = inner
         self.marks = marks
         self.flag = flag
@@ -58,8 +65,10 @@ class Gate:
 
             node = ray.get_runtime_context().get_node_id()
             Path(self.marks, f"{node}.{item.key.replace('/', '_')}").touch()
-            deadline = time.monotonic() + self.timeout
-            while time.monotonic() < deadline and (
+            # One deadline for all loads (from the first mark): a gate that never opens costs
+            # ``timeout`` once, not once per held item.
+            deadline = _first_mark(self.marks) + self.timeout
+            while time.time() < deadline and (
                     (self.flag is not None and os.path.exists(self.flag))
                     or len(marked_nodes(self.marks)) < self.nodes):
                 time.sleep(0.05)

@@ -1,9 +1,9 @@
 """A real two-node Ray cluster on 127.0.0.1 for tests: ``ray start --head`` + ``ray start --address``.
 
-Each node is its own ``ray start`` in its own process group (``start_new_session``), with its
+Each node is its own ``ray start`` in its own session (``start_new_session``), with its
 own ``--temp-dir``, custom resource, CPU and every port it opens chosen free at runtime, so
-clusters of other test sessions on this machine are never touched: teardown kills our process
-groups (and any stray process naming our temp dirs), never ``ray stop``, which stops every Ray
+clusters of other test sessions on this machine are never touched: teardown kills the processes
+of our sessions (and any stray one naming our temp dirs), never ``ray stop``, which stops every Ray
 of the user on the machine.
 """
 
@@ -60,14 +60,16 @@ class Node:
     Attributes:
         name: ``head`` or ``worker`` (also its custom resource).
         temp_dir: its ``--temp-dir``.
-        pgid: the process group of its daemons (the ``ray start`` that spawned them leads it).
+        sid: the session of its processes: the ``ray start`` that spawned them leads it (the
+            raylet gives each worker a process group of its own, and a title without the temp
+            dir, but every process stays in the session).
         node_id: Ray's hex node id, once the cluster is up.
         log: the output of its ``ray start``.
     """
 
     name: str
     temp_dir: Path
-    pgid: int = 0
+    sid: int = 0
     node_id: str = ""
     log: Path = field(default_factory=Path)
 
@@ -117,7 +119,7 @@ class RayCluster:
             cli = [sys.executable, "-c", JOIN_ON_LOOPBACK] if shim else [self.ray_cli]
             proc = subprocess.Popen([*cli, "start", *args, *self._node_args(node)], env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root)
-            node.pgid = proc.pid  # the session leader: its daemons stay in its group after it exits
+            node.sid = proc.pid  # the session leader: its daemons and workers stay in its session
             try:
                 code = proc.wait(timeout=START_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -190,20 +192,16 @@ class RayCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        try:
-            os.killpg(node.pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _pids(self, node: Node) -> list[int]:
-        """Processes of ``node``: in its process group, or naming its temp dir."""
+        """Processes of ``node``: in its session, or naming its temp dir."""
         mark = str(node.temp_dir).encode()
         pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():
                 continue
             try:
-                if os.getpgid(int(entry)) == node.pgid:
+                if os.getsid(int(entry)) == node.sid:
                     pids.append(int(entry))
                     continue
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -216,7 +214,7 @@ class RayCluster:
     def stop(self) -> None:
         """Stop both nodes (SIGTERM, then SIGKILL) and remove their temp dirs."""
         for node in (self.worker, self.head):
-            if not node.pgid:
+            if not node.sid:
                 continue
             for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
                 for pid in self._pids(node):

@@ -141,7 +141,7 @@ def test_killed_driver_rerun_completes_identical(tmp_path, ray_cluster, s3_serve
 
 def test_killed_worker_node_tasks_redone_on_head(tmp_path, ray_cluster, s3_server, s3_bucket):
     """With a task of the pack mid-load on each node, SIGKILL the worker node's raylet and its
-    workers (its whole process group): Ray retries the lost task on the head, the pack
+    workers (every process of its session): Ray retries the lost task on the head, the pack
     completes with every task packed there, byte-identical to the local engine's."""
     src = image_folder(tmp_path / "imgs", count=40, side=64)
     shard = sum(p.stat().st_size for p in src.rglob("*.jpg")) // 8
