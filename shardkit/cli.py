@@ -10,6 +10,7 @@ fails its argument checks stay quick (the library pulls in pyarrow, s3fs, PIL...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -79,6 +80,12 @@ def sample_rate(samples: int, seconds: float) -> str:
     return f"{seconds / samples:.1f} s/sample"
 
 
+def _ray_initialized() -> bool:
+    """Whether Ray is imported and initialised in this process (never imports it)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
     """``shardkit pack``: :func:`shardkit.packing.pack.pack`, then a summary (or ``--json``)."""
     from shardkit.packing.pack import pack
@@ -89,11 +96,18 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     shard_bytes = parse_size(args.shard_size, "--shard-size")  # the error names the option as typed
     transform = transform_from_options(reencode=args.reencode, resize=args.resize, bgr_to_rgb=args.bgr_to_rgb,
                                        predecode=args.predecode)
-    info = pack(args.source, args.dest, shard_bytes=shard_bytes, engine=args.engine,
-                shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
-                overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
-                hdf5_rows=args.hdf5_rows, zarr_rows=args.zarr_rows, lmdb_field=args.lmdb_field,
-                progress=not (args.json or args.quiet), append=args.append, payload_columns=args.payload_columns)
+    # Ray prints its workers' and raylets' lines (a node that died, a worker started) to
+    # sys.stdout from a thread, during the pack and after it: with --json, stdout holds the
+    # JSON only, so those go to stderr and a Ray this command joined is left before printing.
+    ray_before = _ray_initialized()
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        info = pack(args.source, args.dest, shard_bytes=shard_bytes, engine=args.engine,
+                    shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
+                    overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
+                    hdf5_rows=args.hdf5_rows, zarr_rows=args.zarr_rows, lmdb_field=args.lmdb_field,
+                    progress=not (args.json or args.quiet), append=args.append, payload_columns=args.payload_columns)
+        if args.json and not ray_before and _ray_initialized():
+            sys.modules["ray"].shutdown()
     if args.json:
         _print_json(info)
     elif info.get("up_to_date"):
@@ -106,6 +120,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
               f"({rate:.1f} MB/s, {sample_rate(info['num_samples'], info['elapsed_seconds'])})")
         if info["reused_tasks"]:
             print(f"resumed: {info['reused_tasks']} of {info['tasks']} tasks were already complete")
+        if info.get("nodes"):
+            per_node = ", ".join(f"{node[:8]} ({n} tasks)" for node, n in info["nodes"].items())
+            print(f"ran on {len(info['nodes'])} Ray node{'s' if len(info['nodes']) != 1 else ''}: {per_node}")
         if info["skipped"]:
             print(f"skipped {len(info['skipped'])} bad inputs (listed in dataset.json):")
             for s in info["skipped"][:10]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from shardkit.errors import DatasetExistsError
@@ -43,7 +44,8 @@ def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source
             the same pack finds it committed (:func:`~shardkit.packing.append.committed_as`).
 
     Returns:
-        The dataset.json content, with ``elapsed_seconds``, ``reused_tasks`` and ``tasks``.
+        The dataset.json content, with ``elapsed_seconds``, ``reused_tasks`` and ``tasks``, and
+        ``nodes`` (Ray node id -> tasks it packed in this run) when the tasks ran on Ray.
 
     Raises:
         DatasetExistsError: another pack took the destination over, or committed there first.
@@ -72,5 +74,9 @@ def commit_pack(store: Store, claim: Claim, results: list[TaskResult], *, source
     elapsed = time.monotonic() - started
     log.info("packed %d samples into %d shards (%d bytes) in %.1fs", info["num_samples"], info["num_shards"],
              info["total_bytes"], elapsed)
-    return {**info, "elapsed_seconds": round(elapsed, 3),
-            "reused_tasks": sum(1 for r in results if r.reused), "tasks": len(results)}
+    summary = {**info, "elapsed_seconds": round(elapsed, 3),
+               "reused_tasks": sum(1 for r in results if r.reused), "tasks": len(results)}
+    nodes = Counter(r.node for r in results if r.node is not None)
+    if nodes:
+        summary["nodes"] = dict(sorted(nodes.items()))
+    return summary

@@ -100,8 +100,9 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
-        earlier run completed) and ``tasks``; with ``up_to_date=True`` (and ``tasks`` 0) when a
-        pack of the same source and options had committed there already: nothing was written.
+        earlier run completed), ``tasks``, and with ``engine="ray"`` ``nodes`` (Ray node id ->
+        tasks it packed in this run); with ``up_to_date=True`` (and ``tasks`` 0) when a pack of
+        the same source and options had committed there already: nothing was written.
 
     Raises:
         ConfigError: a bad option, an engine that is not installed, or a destination nested

@@ -47,6 +47,7 @@ class TaskResult:
         samples: how many samples it packed.
         bytes: the bytes of its shards.
         reused: found complete from an earlier run, not written by this one.
+        node: the Ray node that packed it (None: the local engine, or reused).
     """
 
     task: int
@@ -58,6 +59,7 @@ class TaskResult:
     samples: int
     bytes: int
     reused: bool = False
+    node: str | None = None
 
 
 @dataclass

@@ -78,6 +78,8 @@ def test_imagefolder_ray_equals_local(tmp_path, ray_local, s3_server, s3_bucket)
     ray_info, local_info = _pack_both(str(src), s3_bucket, opts, shard_bytes=shard_bytes, labels_from_dirs=True)
     assert ray_info["tasks"] >= 4 and ray_info["num_shards"] >= 4
     assert ray_info["pack"]["engine"] == "ray" and local_info["pack"]["engine"] == "local"
+    # where the tasks ran: the one node of the local Ray packed them all
+    assert list(ray_info["nodes"].values()) == [ray_info["tasks"]] and "nodes" not in local_info
     a, _ = compare_datasets(f"{s3_bucket}/ray", f"{s3_bucket}/local", opts)
     assert a.num_samples == 60 and len(a.labels) >= 3
     a.verify(deep=True)

@@ -126,7 +126,19 @@ def _remote_task(store: Store, source: Source, task: TaskPlan, items: list[Sourc
                  opts: PackOptions) -> TaskResult:
     # Skip work a killed earlier attempt (or a retry of this task) already finished.
     done = completed_task(store, task, plan_id)
-    return done if done is not None else run_task(store, source, task, items, plan_id, opts)
+    if done is not None:
+        return done
+    result = run_task(store, source, task, items, plan_id, opts)
+    result.node = _node_id()
+    return result
+
+
+def _node_id() -> str | None:
+    """The id of the Ray node this task runs on (None outside Ray): the pack's summary counts
+    tasks per node, which shows whether a cluster's nodes all took part."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
