@@ -6,11 +6,11 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,16 +19,12 @@ import numpy as np
 import pytest
 
 import shardkit
+from rank_procs import free_port
+from rank_procs import run_ranks as launch
 
 WORKER = Path(__file__).resolve().parents[1] / "ddp_worker.py"
 REPO = Path(__file__).resolve().parents[2]
 N = 480
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -41,26 +37,10 @@ def s3_dataset(s3_env: Any, s3_bucket: str) -> tuple[str, set[str], Any]:
 
 
 def run_ranks(tmp: Path, world: int, caches: list[str], timeout: float = 180, **cfg: Any) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp / f"out-{world}-{rank}-{port}.json"
-        conf = {"cache_dir": caches[rank], "out": str(out), "batch_size": 16, "num_workers": 2, "epochs": 1, **cfg}
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(caches.count(caches[rank])),
-               "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(conf)], env=env))
-        outs.append(out)
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            assert p.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [json.loads(o.read_text()) for o in outs]
+    tag = uuid.uuid4().hex[:8]
+    confs = [{"cache_dir": caches[rank], "out": str(tmp / f"out-{world}-{rank}-{tag}.json"), "batch_size": 16,
+              "num_workers": 2, "epochs": 1, **cfg} for rank in range(world)]
+    return launch(WORKER, confs, [caches.count(c) for c in caches], timeout)
 
 
 def test_two_ranks_one_cache_two_epochs(s3_dataset: tuple[str, set[str], Any], tmp_path: Path) -> None:
@@ -190,7 +170,7 @@ def test_spawned_ranks_with_spawned_workers_read_disjoint_shares(tmp_path: Path)
     shardkit.pack(iter(data), url, shard_bytes="4KB", progress=False)
     out = tmp_path / "out"
     out.mkdir()
-    conf = {"url": url, "cache_dir": str(tmp_path / "cache"), "out": str(out), "port": _free_port()}
+    conf = {"url": url, "cache_dir": str(tmp_path / "cache"), "out": str(out), "port": free_port()}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env["PYTHONPATH"] = str(REPO)
     subprocess.run([sys.executable, str(WORKER.with_name("ddp_spawn.py")), json.dumps(conf)], env=env,
