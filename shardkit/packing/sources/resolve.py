@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import posixpath
 import re
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
 from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
 from shardkit.packing.sources.base import Source
 from shardkit.packing.sources.filelist import FileListSource
-from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+from shardkit.packing.sources.files import FolderSource
+from shardkit.packing.sources.imagefolder import ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
+from shardkit.packing.sources.listing import walk_objects
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.objects import Objects
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.storage.urls import refuse_url_credentials
 
@@ -48,8 +53,8 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
 
     Raises:
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
-        SourceError: a type of input no source reads (a remote path that is no tar, a file
-            type, a folder of tars and other files, an empty folder).
+        SourceError: a type of input no source reads (a file type, a folder of tars and other
+            files, an empty folder).
         ConfigError: ``hdf5_rows`` for a source that is not HDF5 (not silently ignored), or
             credentials in a URL.
     """
@@ -112,6 +117,33 @@ def _local_glob(pattern: Path) -> Source:
     return WdsTarSource(str(pattern))
 
 
+# Objects a remote folder is sniffed by (the first ones listed): only .tar -> WebDataset tars.
+_SNIFF = 1000
+
+
+def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
+            hdf5_rows: str | None) -> Source:
+    """The source for a URL: a file by its extension, a prefix as tars, an ImageFolder or a
+    keyed folder of objects (sniffed by its first objects' names)."""
+    bare = url.rstrip("/")
+    suffix = posixpath.splitext(bare)[1].lower()
+    if bare.endswith(".tar") or _glob.has_magic(url):
+        return WdsTarSource(url, storage_options=storage_options)
+    if suffix in (".csv", ".parquet", ".pq"):
+        return FileListSource(bare, storage_options=storage_options)
+    if suffix in _HDF5:
+        return Hdf5Source(bare, datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets",
+                          storage_options=storage_options)
+    if suffix in (".npy", ".npz"):
+        return NpySource([bare], storage_options=storage_options)
+    if labels_from_dirs:
+        return ImageFolderSource(bare, storage_options)
+    names = [rel for rel, _ in islice(walk_objects(Objects(storage_options), bare, lambda n: n), _SNIFF)]
+    if names and all(n.lower().endswith(".tar") for n in names):
+        return WdsTarSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
+    return FolderSource(bare, storage_options)
+
+
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
              hdf5_rows: str | None) -> Source:
     if isinstance(source, Source) and not isinstance(source, (str, os.PathLike)):
@@ -123,9 +155,7 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     if _BRACES.search(text):  # WebDataset's shards-{000000..000099}.tar, local or remote
         return WdsTarSource(text, storage_options=storage_options)
     if "://" in text and not text.startswith("file://"):
-        if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
-                return WdsTarSource(text, storage_options=storage_options)
-        raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
+        return _remote(text, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
     # Absolute: Ray tasks on an existing cluster run in another working directory.
     path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
     if not path.exists() and _glob.has_magic(str(path)):  # a file named "[a].tar" is read as itself
