@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
@@ -95,3 +96,119 @@ def test_keyed_folder_of_objects_packs_like_the_local_folder(tmp_path, s3_server
     shardkit.pack(f"{s3_bucket}/raw/keyed", f"{s3_bucket}/from-s3", shard_bytes="20KB", storage_options=so,
                   progress=False)
     _assert_same(f"{s3_bucket}/from-disk", f"{s3_bucket}/from-s3", so)
+
+
+def _drop_source(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "source"} for r in rows]
+
+
+def test_file_list_at_a_url_packs_like_the_local_list(tmp_path, s3_server, s3_bucket):
+    """A CSV list in S3 naming its files relative to its own URL packs as the same list on disk;
+    a Parquet list on disk of s3:// URLs packs the same bytes (its ``source`` column holds the URLs)."""
+    so = s3_server.storage_options()
+    local = tmp_path / "listed"
+    (local / "img").mkdir(parents=True)
+    lines = ["path,label,note"]
+    for i in range(40):
+        (local / "img" / f"a{i:03d}.jpg").write_bytes(_jpeg(i))
+        lines.append(f"img/a{i:03d}.jpg,{'cat' if i % 3 else 'dog'},n{i}")
+    (local / "list.csv").write_text("\n".join(lines) + "\n")
+    _upload(s3_server, local, f"{s3_bucket}/raw/listed")
+    shardkit.pack(str(local / "list.csv"), f"{s3_bucket}/from-disk", shard_bytes="16KB", storage_options=so,
+                  progress=False)
+    shardkit.pack(f"{s3_bucket}/raw/listed/list.csv", f"{s3_bucket}/from-s3", shard_bytes="16KB",
+                  storage_options=so, progress=False)
+    _assert_same(f"{s3_bucket}/from-disk", f"{s3_bucket}/from-s3", so)
+    urls = [f"{s3_bucket}/raw/listed/img/a{i:03d}.jpg" for i in range(40)]
+    pq.write_table(pa.table({"path": urls, "key": [f"img_a{i:03d}" for i in range(40)]}), tmp_path / "urls.parquet")
+    pq.write_table(pa.table({"path": [f"img/a{i:03d}.jpg" for i in range(40)], "key": [f"img_a{i:03d}" for i in range(40)]}),
+                   local / "keys.parquet")
+    shardkit.pack(str(local / "keys.parquet"), f"{s3_bucket}/keys-disk", shard_bytes="16KB", storage_options=so,
+                  progress=False)
+    shardkit.pack(str(tmp_path / "urls.parquet"), f"{s3_bucket}/keys-urls", shard_bytes="16KB", storage_options=so,
+                  progress=False)
+    disk, remote = _dataset_files(f"{s3_bucket}/keys-disk", so), _dataset_files(f"{s3_bucket}/keys-urls", so)
+    assert disk["shards"] == remote["shards"] and disk["shard_rows"] == remote["shard_rows"]
+    assert _drop_source(disk["samples"]) == _drop_source(remote["samples"])
+    assert [r["source"] for r in remote["samples"]] == urls
+
+
+def test_missing_object_in_a_url_list_is_named_or_skipped(tmp_path, s3_server, s3_bucket):
+    so = s3_server.storage_options()
+    fs = s3_server.filesystem()
+    fs.pipe({f"{s3_bucket[5:]}/o/{i}.bin": b"data%d" % i for i in range(3)})
+    urls = [f"{s3_bucket}/o/0.bin", f"{s3_bucket}/o/gone.bin", f"{s3_bucket}/o/2.bin"]
+    (tmp_path / "l.csv").write_text("path\n" + "\n".join(urls) + "\n")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(str(tmp_path / "l.csv"), f"{s3_bucket}/ds", storage_options=so, progress=False)
+    message = str(err.value)
+    assert "\n" not in message and f"{s3_bucket}/o/gone.bin does not exist" in message and "row 1" in message
+    assert so["secret"] not in message and so["key"] not in message
+    info = shardkit.pack(str(tmp_path / "l.csv"), f"{s3_bucket}/ds", storage_options=so, on_error="skip",
+                         progress=False)
+    assert info["num_samples"] == 2 and len(info["skipped"]) == 1 and "gone.bin" in info["skipped"][0]["reason"]
+    # Deleted after listing: the task's read names it, or skips it.
+    (tmp_path / "l2.csv").write_text("path\n" + "\n".join([urls[0], urls[2]]) + "\n")
+    from shardkit.packing.sources.filelist import FileListSource
+    src = FileListSource(str(tmp_path / "l2.csv"), storage_options=so)
+    items = src.list_items()
+    fs.rm(f"{s3_bucket[5:]}/o/2.bin")
+    src.task_items(items)
+    assert src.load(items[0]).fields["bin"] == b"data0"
+    with pytest.raises(SourceNotFoundError, match="o/2.bin does not exist"):
+        src.load(items[1])
+    src.task_done()
+
+
+def _h5(path: Path) -> None:
+    import h5py
+
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images", data=rng.integers(0, 255, (30, 8, 8), dtype=np.uint8), chunks=(4, 8, 8),
+                         compression="gzip")
+        f.create_dataset("labels", data=np.arange(30, dtype=np.int64))
+        f["images"].attrs["scale"] = 0.5
+        f.create_dataset("grp/big", data=rng.standard_normal((300, 700)).astype(np.float64))  # over one slab
+
+
+@pytest.mark.parametrize("rows", [None, "images,labels"])
+def test_hdf5_object_packs_like_the_local_file(tmp_path, s3_server, s3_bucket, monkeypatch, rows):
+    """Both modes: every dataset a sample (the big one streamed in slabs through ranged reads),
+    and hdf5_rows; shard bytes and manifest rows equal the local file's but for ``source``."""
+    from shardkit.packing.sources import hdf5_read, npy
+
+    monkeypatch.setattr(npy, "CHUNK_BYTES", 256 * 1024)  # the 1.7 MB dataset streams in slabs
+    monkeypatch.setattr(hdf5_read, "CHUNK_BYTES", 256 * 1024)
+    so = s3_server.storage_options()
+    _h5(tmp_path / "vol.h5")
+    _upload(s3_server, tmp_path, f"{s3_bucket}/raw")
+    kw: dict[str, Any] = {"shard_bytes": "64KB", "storage_options": so, "progress": False, "hdf5_rows": rows}
+    shardkit.pack(str(tmp_path / "vol.h5"), f"{s3_bucket}/from-disk", **kw)
+    shardkit.pack(f"{s3_bucket}/raw/vol.h5", f"{s3_bucket}/from-s3", **kw)
+    disk, remote = _dataset_files(f"{s3_bucket}/from-disk", so), _dataset_files(f"{s3_bucket}/from-s3", so)
+    assert disk["shards"] == remote["shards"] and disk["shard_rows"] == remote["shard_rows"]
+    assert _drop_source(disk["samples"]) == _drop_source(remote["samples"])
+    assert all(r["source"].startswith(f"{s3_bucket}/raw/vol.h5::") for r in remote["samples"])
+
+
+def test_npy_and_npz_objects_pack_like_the_local_files(tmp_path, s3_server, s3_bucket, monkeypatch):
+    from shardkit.packing.sources import npy
+
+    monkeypatch.setattr(npy, "CHUNK_BYTES", 64 * 1024)  # the big array streams
+    so = s3_server.storage_options()
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    np.save(arrays / "a.npy", np.arange(100_000, dtype=np.int32).reshape(1000, 100))
+    np.save(arrays / "f.npy", np.asfortranarray(np.ones((3, 4), dtype=">f4")))
+    np.savez_compressed(arrays / "z.npz", x=np.arange(10), y=np.eye(3))
+    _upload(s3_server, arrays, f"{s3_bucket}/raw")
+    names = ["a.npy", "f.npy", "z.npz"]
+    shardkit.pack(shardkit.packing.sources.NpySource([str(arrays / n) for n in names]), f"{s3_bucket}/from-disk",
+                  shard_bytes="64KB", storage_options=so, progress=False)
+    shardkit.pack(shardkit.packing.sources.NpySource([f"{s3_bucket}/raw/{n}" for n in names], storage_options=so),
+                  f"{s3_bucket}/from-s3", shard_bytes="64KB", storage_options=so, progress=False)
+    _assert_same(f"{s3_bucket}/from-disk", f"{s3_bucket}/from-s3", so)
+    shardkit.pack(f"{s3_bucket}/raw/z.npz", f"{s3_bucket}/one", storage_options=so, progress=False)
+    got = next(iter(shardkit.open_dataset(f"{s3_bucket}/one", storage_options=so).iter_samples()))
+    assert np.array_equal(np.load(io.BytesIO(got["y.npy"])), np.eye(3))

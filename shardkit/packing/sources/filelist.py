@@ -133,6 +133,7 @@ class FileListSource:
                 members.append(("cls", 1))  # any class index fits the one block a 1-byte body takes
             items.append(SourceItem(ref=f"{i}:{where}", nbytes=item_bytes(key, members), key=key))
         ensure_unique(items, self.list_path)
+        self.reads_s3 = any(it.ref.partition(":")[2].startswith(("s3://", "s3a://")) for it in items)
         return items
 
     def _targets(self) -> Iterator[tuple[int, dict[str, Any], str, str]]:

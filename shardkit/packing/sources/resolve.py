@@ -165,7 +165,7 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix in (".csv", ".parquet", ".pq"):
-            return FileListSource(path)
+            return FileListSource(path, storage_options=storage_options)  # its rows may be URLs
         if suffix in _HDF5:
             return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
         if suffix in (".npy", ".npz"):
