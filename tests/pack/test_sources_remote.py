@@ -3,8 +3,12 @@ HDF5 and .npy/.npz files, each packed byte-identical to the same input packed fr
 
 from __future__ import annotations
 
+import gc
 import io
+import threading
+import time
 import tracemalloc
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +20,9 @@ from PIL import Image
 
 import shardkit
 from shardkit.errors import SourceError, SourceNotFoundError
-from shardkit.packing.sources import objects as objects_mod
+from shardkit.packing.sources.base import SourceItem
 from shardkit.packing.sources.imagefolder import ImageFolderSource
-from shardkit.packing.sources.objects import Objects, ReadAhead
+from shardkit.packing.sources.objects import ReadAhead
 
 
 def _jpeg(i: int) -> bytes:
@@ -64,20 +68,125 @@ def _assert_same(a: str, b: str, so: dict[str, Any]) -> None:
     assert left["labels"] == right["labels"]
 
 
-@pytest.mark.slow
-def test_imagefolder_of_objects_packs_like_the_local_folder(tmp_path, s3_server, s3_bucket):
-    """~2k small objects in class folders (and a nested folder) pack to the same shard bytes and
-    manifest rows as the same folder on disk; the remote tasks read ahead (several GETs in flight)."""
-    so = s3_server.storage_options()
-    local = tmp_path / "train"
+@pytest.fixture(scope="module")
+def imagefolder(s3_server, tmp_path_factory):
+    """~2k small objects in 8 class folders (one nested folder each), uploaded once for the
+    module, and the same folder on disk: (local path, its URL)."""
+    local = tmp_path_factory.mktemp("if") / "train"
     _imagefolder(local, classes=8, per_class=250)
-    _upload(s3_server, local, f"{s3_bucket}/raw/train")
+    bucket = f"test-if-{uuid.uuid4().hex[:12]}"
+    fs = s3_server.filesystem()
+    fs.mkdir(bucket)
+    _upload(s3_server, local, f"s3://{bucket}/raw/train")
+    try:
+        yield local, f"s3://{bucket}/raw/train/"
+    finally:
+        try:
+            fs.rm(bucket, recursive=True)
+        except OSError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a loaded 2-core machine put the 2,000 objects at ~15/s
+def test_imagefolder_of_objects_packs_like_the_local_folder(imagefolder, s3_server, s3_bucket):
+    """2,000 objects in class folders (and nested folders) pack to the same shard bytes and
+    manifest rows as the same folder on disk."""
+    local, url = imagefolder
+    so = s3_server.storage_options()
     shardkit.pack(str(local), f"{s3_bucket}/from-disk", labels_from_dirs=True, shard_bytes="200KB",
                   storage_options=so, progress=False)
-    info = shardkit.pack(f"{s3_bucket}/raw/train/", f"{s3_bucket}/from-s3", labels_from_dirs=True,
-                         shard_bytes="200KB", storage_options=so, progress=False)
+    info = shardkit.pack(url, f"{s3_bucket}/from-s3", labels_from_dirs=True, shard_bytes="200KB",
+                         storage_options=so, progress=False)
     assert info["num_samples"] == 2000
     _assert_same(f"{s3_bucket}/from-disk", f"{s3_bucket}/from-s3", so)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a loaded 2-core machine put the 2,000 objects at ~15/s
+def test_imagefolder_of_objects_on_ray_packs_like_the_local_folder(imagefolder, ray_local, s3_server, s3_bucket):
+    """The Ray engine (its workers without the endpoint in their environment) packs the objects
+    to the same bytes as the local engine packs the folder on disk."""
+    local, url = imagefolder
+    so = s3_server.storage_options()
+    shardkit.pack(str(local), f"{s3_bucket}/from-disk", labels_from_dirs=True, shard_bytes="200KB",
+                  storage_options=so, progress=False)
+    shardkit.pack(url, f"{s3_bucket}/ray", labels_from_dirs=True, shard_bytes="200KB", engine="ray",
+                  storage_options=so, progress=False)
+    _assert_same(f"{s3_bucket}/from-disk", f"{s3_bucket}/ray", so)
+
+
+# What the driver may hold per listed object: a slotted SourceItem (~56 B), its ref and key
+# (~80 B each for these names), its size and a list slot. A listing that kept s3fs's listings
+# cache (a dict per object) or the store's raw pages held ~600 B per object more.
+HELD_BYTES_PER_OBJECT = 400
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a loaded 2-core machine put the 2,000 objects at ~15/s
+def test_listing_objects_holds_bounded_bytes_per_object(imagefolder, s3_server):
+    """Listing the 2,000 objects leaves the driver holding under HELD_BYTES_PER_OBJECT bytes per
+    object (tracemalloc, after a warm-up listing), and the listing's peak stays within a
+    bounded window over that (LIST_AHEAD listings, not the whole bucket)."""
+    _, url = imagefolder
+    so = s3_server.storage_options()
+    src = ImageFolderSource(url, so)
+    assert len(src.list_items()) == 2000  # warm: imports, clients, class names
+    src = ImageFolderSource(url, so)
+    src.classes()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        items = src.list_items()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(items) == 2000
+    per_object = (held - base) / len(items)
+    assert per_object < HELD_BYTES_PER_OBJECT, f"{per_object:.0f} bytes held per listed object"
+    assert peak - held < 16 * 2**20
+
+
+def test_read_ahead_keeps_several_reads_in_flight_and_hands_them_out_in_order():
+    """A task's reads overlap (more than one in flight, never more than the depth) and come
+    back in the plan's order; an item asked for out of order restarts the window there."""
+    lock = threading.Lock()
+    now = peak = 0
+    started: list[str] = []
+
+    def fetch(item):
+        nonlocal now, peak
+        with lock:
+            now += 1
+            peak = max(peak, now)
+            started.append(item.key)
+        time.sleep(0.02)
+        with lock:
+            now -= 1
+        if item.key == "k07":
+            raise SourceNotFoundError("s3://b/k07 does not exist")
+        return item.key.encode()
+
+    items = [SourceItem(ref=f"k{i:02d}", nbytes=1000, key=f"k{i:02d}") for i in range(40)]
+    ahead = ReadAhead(fetch, depth=4)
+    ahead.start(items)
+    got = []
+    for it in items[:7]:
+        got.append(ahead.get(it))
+    with pytest.raises(SourceNotFoundError, match="k07"):
+        ahead.get(items[7])
+    got += [ahead.get(it) for it in items[8:20]]
+    assert got == [it.key.encode() for it in items[:7] + items[8:20]]
+    assert 2 <= peak <= 4
+    assert ahead.get(items[3]) == b"k03"  # a shard rewritten: back to an earlier item
+    assert ahead.get(items[4]) == b"k04"
+    ahead.close()
+    assert started.count("k30") <= 1 and "k39" not in started  # never more than the window ahead
+    bounded = ReadAhead(fetch, depth=8, max_bytes=2500)  # by bytes: two 1000-byte items at once
+    bounded.start(items)
+    assert bounded.get(items[0]) == b"k00" and len(bounded._pending) <= 2
+    bounded.close()
 
 
 def test_keyed_folder_of_objects_packs_like_the_local_folder(tmp_path, s3_server, s3_bucket):

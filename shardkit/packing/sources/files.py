@@ -169,6 +169,10 @@ class FolderRoot:
 
     A remote root's objects are read ahead within a task (``task_items``/``task_done``, the
     packer's hooks); the reader and its threads are never pickled.
+
+    Args:
+        root: the folder: a local path, or a URL prefix of objects.
+        storage_options: fsspec options for a URL (credentials, endpoint); never shown.
     """
 
     def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> None:

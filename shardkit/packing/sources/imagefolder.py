@@ -11,7 +11,8 @@ from shardkit.format.fields import PACK_IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import SourceItem, item_bytes
 from shardkit.packing.sources.files import FolderRoot, check_root, ensure_unique, text_name
-from shardkit.packing.sources.listing import list_dir
+from shardkit.packing.sources.listing import list_dir, walk_objects
+from shardkit.packing.sources.walk import walk_in_order
 
 __all__ = ["ImageFolderSource"]
 
@@ -83,13 +84,17 @@ class ImageFolderSource(FolderRoot):
             log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
                         "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
         items: list[SourceItem] = []
-        for index, cls in enumerate(classes):
-            cls_field = ("cls", len(str(index)))
-            for rel, size in self._walk(cls, _image_entry):
-                full = f"{cls}/{rel}"
-                key = safe_key(full)
-                items.append(SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)),
-                                        key=key))
+        # Every class's images, class by class: the class folders of a URL are listed in parallel.
+        if self.remote:
+            found = walk_objects(self.objects, self.root, _image_entry, tops=classes)
+        else:
+            found = ((f"{cls}/{rel}", size) for cls in classes for rel, size in walk_in_order(f"{root}/{cls}", _image_entry))
+        index = {cls: i for i, cls in enumerate(classes)}
+        for full, size in found:
+            cls_field = ("cls", len(str(index[full.partition("/")[0]])))
+            key = safe_key(full)
+            items.append(SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)),
+                                    key=key))
         if not items:
             raise SourceError(f"source {root} holds no images")
         ensure_unique(items, self.root)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from shardkit.errors import SourceNotFoundError
 from shardkit.packing.sources.objects import Objects, join_url
@@ -75,21 +75,24 @@ def list_dir(objects: Objects, url: str) -> tuple[list[tuple[str, int]], list[st
 
 
 def walk_objects(objects: Objects, root: str, entry: Callable[[str], str | None],
-                 rejected: list[str] | None = None, threads: int = LIST_THREADS,
-                 ahead: int = LIST_AHEAD) -> Iterator[tuple[str, int]]:
+                 rejected: list[str] | None = None, tops: Sequence[str] | None = None,
+                 threads: int | None = None, ahead: int = LIST_AHEAD) -> Iterator[tuple[str, int]]:
     """(relative posix path, size) of the objects under ``root`` that ``entry`` keeps, in the
     order :func:`~shardkit.packing.sources.walk.walk_in_order` gives a local folder, streamed.
 
     ``entry(name)`` is the text a kept name sorts by within its directory, or None to leave
     it out (its relative path goes to ``rejected``). Directories are listed in depth-first
     order on ``threads`` threads, at most ``ahead`` of them beyond the one being consumed.
+    With ``tops`` (an ImageFolder's class folders), only those folders are walked, one after
+    the other in the order given, and listed in parallel like any other folders.
 
     Args:
         objects: the reader of the source's storage.
         root: the folder URL.
         entry: the sort text of a kept file name, or None to leave the file out.
         rejected: collects the relative paths of the files ``entry`` left out.
-        threads: list calls in flight at once.
+        tops: the folders under ``root`` to walk, in this order (default: all of ``root``).
+        threads: list calls in flight at once (default :data:`LIST_THREADS`).
         ahead: directories listed ahead of the consumer.
 
     Yields:
@@ -119,7 +122,7 @@ def walk_objects(objects: Objects, root: str, entry: Callable[[str], str | None]
         names.sort(reverse=True)
         return names
 
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-list")
+    pool = ThreadPoolExecutor(threads or LIST_THREADS, thread_name_prefix="shardkit-list")
     queued: deque[str] = deque()  # directories to list, in the order they will be consumed
     listed: dict[str, Future[_Listing]] = {}
 
@@ -129,7 +132,6 @@ def walk_objects(objects: Objects, root: str, entry: Callable[[str], str | None]
             listed[rel] = pool.submit(scan, rel)
 
     try:
-        listed[""] = pool.submit(scan, "")
         stack: list[tuple[str, _Listing]] = []
 
         def enter(rel: str) -> None:
@@ -139,7 +141,13 @@ def walk_objects(objects: Objects, root: str, entry: Callable[[str], str | None]
             stack.append((rel, names))
             top_up()
 
-        enter("")
+        if tops is None:
+            listed[""] = pool.submit(scan, "")
+            enter("")
+        else:  # a made-up root listing the given folders, popped in the order given
+            queued.extend(f"{t}/" for t in tops)
+            top_up()
+            stack.append(("", [(f"{t}/", -1) for t in reversed(tops)]))
         while stack:
             rel, names = stack[-1]
             if not names:

@@ -40,7 +40,10 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
     (``.tar`` files beside any other file are refused as ambiguous); only ``.npy``/``.npz`` ->
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
-    ``labels_from_dirs``). Only names and sizes are looked at.
+    ``labels_from_dirs``). Only names and sizes are looked at. A URL names a file by its
+    extension (list, HDF5, ``.npy``/``.npz``, ``.tar``), a glob of tars, or a prefix: an
+    ImageFolder with ``labels_from_dirs``, tars when its first objects are all ``.tar``, else a
+    keyed folder of objects.
 
     Args:
         source: a Source, or a path, glob or URL (``file://`` too).
