@@ -221,7 +221,7 @@ class FileListSource:
         Args:
             items: the task's items, in order.
         """
-        if any(is_url(it.ref.partition(":")[2]) for it in items[:1]):
+        if any(is_url(it.ref.partition(":")[2]) for it in items):
             if self._ahead is None:
                 self._ahead = ReadAhead(self._fetch)
             self._ahead.start(items)
