@@ -321,3 +321,42 @@ def test_npy_and_npz_objects_pack_like_the_local_files(tmp_path, s3_server, s3_b
     shardkit.pack(f"{s3_bucket}/raw/z.npz", f"{s3_bucket}/one", storage_options=so, progress=False)
     got = next(iter(shardkit.open_dataset(f"{s3_bucket}/one", storage_options=so).iter_samples()))
     assert np.array_equal(np.load(io.BytesIO(got["y.npy"])), np.eye(3))
+
+
+@pytest.mark.slow
+def test_killed_pack_of_objects_resumes_byte_identical(tmp_path, s3_server, s3_bucket):
+    """SIGKILL the CLI packing a keyed folder of objects once some shards are stored; the rerun
+    lists the objects to the same plan, reuses the finished tasks and ends byte-identical to an
+    uninterrupted pack."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_pack_resume import REPO, _wait_for_shards
+
+    local = tmp_path / "keyed"
+    local.mkdir()
+    for i in range(150):
+        (local / f"s{i:03d}.bin").write_bytes(bytes([i]) * 3000)
+    _upload(s3_server, local, f"{s3_bucket}/raw/keyed")
+    so = s3_server.storage_options()
+    fs = s3_server.filesystem()
+    env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "shardkit.cli", "pack", f"{s3_bucket}/raw/keyed/", f"{s3_bucket}/ds",
+           "--shard-size", "8KB", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = _wait_for_shards(fs, f"{s3_bucket[5:]}/ds", 6, proc, timeout=120)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert seen > 0, "the pack ended before it could be killed"
+    assert not fs.exists(f"{s3_bucket[5:]}/ds/dataset.json")
+    rerun = subprocess.run(cmd + ["--json"], env=env, capture_output=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr.decode()
+    info = json.loads(rerun.stdout)
+    assert 0 < info["reused_tasks"] < info["tasks"]
+    shardkit.pack(str(local), f"{s3_bucket}/clean", shard_bytes="8KB", storage_options=so, progress=False)
+    _assert_same(f"{s3_bucket}/ds", f"{s3_bucket}/clean", so)

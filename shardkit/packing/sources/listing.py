@@ -137,7 +137,7 @@ def walk_objects(objects: Objects, root: str, entry: Callable[[str], str | None]
         def enter(rel: str) -> None:
             names = listed.pop(rel).result()
             # Its subdirectories are consumed next, before anything queued already.
-            queued.extendleft(reversed([rel + n for n, size in sorted(names) if size < 0]))
+            queued.extendleft(reversed(sorted(rel + n for n, size in names if size < 0)))
             stack.append((rel, names))
             top_up()
 
