@@ -360,3 +360,25 @@ def test_killed_pack_of_objects_resumes_byte_identical(tmp_path, s3_server, s3_b
     assert 0 < info["reused_tasks"] < info["tasks"]
     shardkit.pack(str(local), f"{s3_bucket}/clean", shard_bytes="8KB", storage_options=so, progress=False)
     _assert_same(f"{s3_bucket}/ds", f"{s3_bucket}/clean", so)
+
+
+def test_a_prefix_is_sniffed_by_its_objects(s3_server, s3_bucket):
+    """A prefix of only .tar objects (beside an index's own dataset.json and manifest/) is read
+    as WebDataset tars; any other prefix as a keyed folder of objects; a file URL by its extension."""
+    from shardkit.packing.sources import FileListSource, FolderSource, Hdf5Source, NpySource, WdsTarSource
+    from shardkit.packing.sources.resolve import resolve_source
+
+    so = s3_server.storage_options()
+    fs = s3_server.filesystem()
+    b = s3_bucket[5:]
+    fs.pipe({f"{b}/tars/a.tar": b"", f"{b}/tars/sub/b.tar": b"", f"{b}/tars/dataset.json": b"{}",
+             f"{b}/tars/manifest/shards.parquet": b"", f"{b}/keyed/a.jpg": b"", f"{b}/keyed/a.cls": b"1"})
+    assert isinstance(resolve_source(f"{s3_bucket}/tars/", storage_options=so), WdsTarSource)
+    assert isinstance(resolve_source(f"{s3_bucket}/keyed", storage_options=so), FolderSource)
+    assert isinstance(resolve_source(f"{s3_bucket}/keyed", labels_from_dirs=True, storage_options=so),
+                      ImageFolderSource)
+    assert isinstance(resolve_source(f"{s3_bucket}/l.parquet", storage_options=so), FileListSource)
+    assert isinstance(resolve_source(f"{s3_bucket}/v.h5", storage_options=so, hdf5_rows="x"), Hdf5Source)
+    assert isinstance(resolve_source(f"{s3_bucket}/a.npz", storage_options=so), NpySource)
+    with pytest.raises(SourceNotFoundError, match="nothing (does not exist|: no objects under this prefix)"):
+        resolve_source(f"{s3_bucket}/nothing/", storage_options=so)

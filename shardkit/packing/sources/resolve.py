@@ -142,6 +142,8 @@ def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any]
     if labels_from_dirs:
         return ImageFolderSource(bare, storage_options)
     names = [rel for rel, _ in islice(walk_objects(Objects(storage_options), bare, lambda n: n), _SNIFF)]
+    # A prefix `shardkit index` made a dataset keeps its own files beside the tars: not input.
+    names = [n for n in names if n.split("/", 1)[0] not in _DATASET_OWN]
     if names and all(n.lower().endswith(".tar") for n in names):
         return WdsTarSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
     return FolderSource(bare, storage_options)
