@@ -118,6 +118,10 @@ def run_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[Sourc
     own = uploader is None
     up = uploader or Uploader()
     try:
+        # A source over object storage reads the task's objects ahead, in this order.
+        task_items = getattr(source, "task_items", None)
+        if callable(task_items):
+            task_items(items)
         result = _write_task(store, source, plan, items, plan_id, opts, progress, up)
     except BaseException:
         if own:

@@ -230,7 +230,8 @@ def test_listing_a_big_folder_keeps_memory_per_file_small(tmp_path: Path) -> Non
 def test_item_sizes_are_what_the_writer_writes(tmp_path: Path) -> None:
     # The planner closes shards on these sizes: they must count tar headers and padding.
     from shardkit.packing.sources.filelist import FileListSource
-    from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+    from shardkit.packing.sources.files import FolderSource
+    from shardkit.packing.sources.imagefolder import ImageFolderSource
     from shardkit.packing.writer import tar_size
 
     src = tmp_path / "src"
@@ -258,7 +259,8 @@ def test_folder_listing_items_order_and_skips(tmp_path: Path) -> None:
     """The items a keyed folder and an ImageFolder list: refs, sizes, keys and their order
     (by key, so that "a-b" follows "a" though "a-b.jpg" sorts before "a.jpg"; an ImageFolder
     by path), fixed here as the listing gave them before it streamed the walk."""
-    from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+    from shardkit.packing.sources.files import FolderSource
+    from shardkit.packing.sources.imagefolder import ImageFolderSource
 
     _tree(tmp_path / "keyed", {"a.jpg": 10, "a.json": 3, "a.Seg.PNG": 600, "a-b.jpg": 5, "a/x.jpg": 1, "a/x.cls": 1,
                                "b.txt": 0, "README": 4, "sub/c.d.e": 513, "sub/c.jpg": 2, "sub/deeper/c.jpg": 7,

@@ -11,6 +11,7 @@ data. In-flight tasks are bounded to keep the object store and memory small.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import socket
@@ -102,7 +103,9 @@ def probe_ray_address(address: str, timeout: float = 5.0) -> None:
 def for_tasks(src: Source) -> Source:
     """``src`` as tasks on other nodes must see it.
 
-    WebDataset tars, TFRecords and tables on S3 are read from the endpoint and region this driver resolved
+    A source read from S3 (WebDataset tars, or any source with ``storage_options`` whose
+    description names an ``s3://`` URL: folders, file lists, HDF5, ``.npy``, TFRecords,
+    tables) is read from the endpoint and region this driver resolved
     (:func:`~shardkit.storage.options.with_env_location`), whatever the nodes' environments say.
 
     Args:
@@ -111,9 +114,14 @@ def for_tasks(src: Source) -> Source:
     Returns:
         ``src``, or a copy of it with the S3 location pinned.
     """
-    if isinstance(src, WdsTarSource) and any(u.startswith(("s3://", "s3a://")) for u in src.urls):
-        pinned = copy.copy(src)
-        pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None
+    if isinstance(src, WdsTarSource):
+        on_s3 = any(u.startswith(("s3://", "s3a://")) for u in src.urls)
+    else:
+        on_s3 = hasattr(src, "storage_options") and (bool(getattr(src, "reads_s3", False)) or any(
+            s in json.dumps(src.describe(), default=str) for s in ('"s3://', '"s3a://')))
+    if on_s3:
+        pinned = copy.copy(src)  # through __getstate__: open stores and threads are not copied
+        pinned.storage_options = with_env_location("s3://", src.storage_options or {}) or None  # type: ignore[attr-defined]
         return pinned
     if isinstance(src, (TfRecordSource, TableSource)) and any(u.startswith(("s3://", "s3a://")) for u in src.paths):
         pinned_tfr = copy.copy(src)

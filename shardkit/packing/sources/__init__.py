@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from shardkit.packing.sources.base import Source, SourceItem
 from shardkit.packing.sources.filelist import FileListSource
-from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+from shardkit.packing.sources.files import FolderSource
+from shardkit.packing.sources.imagefolder import ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource

@@ -60,7 +60,9 @@ class Source(Protocol):
     A source may also define ``task_done()``, which the packer calls in the task's process
     after each pack task's last ``load``: a source that keeps inputs open between loads (an
     HDF5 file read row by row) closes them there; a later ``load`` must reopen them. It is
-    not part of the protocol, so sources without it still match.
+    not part of the protocol, so sources without it still match. Likewise ``task_items(items)``,
+    called first with the task's items in order: a source over object storage starts reading
+    them ahead there.
     """
 
     def list_items(self) -> list[SourceItem]:

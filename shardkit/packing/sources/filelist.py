@@ -3,6 +3,10 @@
 CSV columns are read as text and typed only where nothing is lost (:func:`_csv_values`): an id
 ``"0001"`` stays text. A ``label`` column becomes the ``cls`` field: class indices as given,
 class names numbered in sorted order.
+
+The list and its files may be objects (``s3://``): a list at a URL, paths that are URLs, or
+paths relative to the list's own URL. Their sizes are asked for many at once while listing,
+and their bytes read ahead within each task (:class:`~shardkit.packing.sources.objects.ReadAhead`).
 """
 
 from __future__ import annotations
@@ -10,64 +14,88 @@ from __future__ import annotations
 import math
 import os
 import re
-from pathlib import Path
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from shardkit.errors import SourceError
+from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.files import check_image, check_root, ensure_unique, read_field
+from shardkit.packing.sources.objects import Objects, ReadAhead, is_url, join_url
 from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["FileListSource"]
+
+# Sizes of the files a list names are asked for this many rows at a time, on this many threads.
+_HEAD_BLOCK = 4096
+_HEAD_THREADS = 32
 
 
 class FileListSource:
     """A CSV or Parquet table with a path column; every other column becomes metadata.
 
-    Relative paths are resolved against the list file's directory. An optional ``key``
-    column names the samples; otherwise the key is the path without its extension.
+    Relative paths are resolved against the list file's directory (or URL). An optional
+    ``key`` column names the samples; otherwise the key is the path without its extension.
 
     Args:
-        list_path: the ``.csv``, ``.parquet`` or ``.pq`` file (local path).
-        path_column: the column naming each sample's file.
+        list_path: the ``.csv``, ``.parquet`` or ``.pq`` file (a local path or a URL).
+        path_column: the column naming each sample's file (a path, relative or absolute, or a URL).
+        storage_options: fsspec options for URLs (credentials, endpoint); never shown.
     """
 
-    def __init__(self, list_path: str | os.PathLike[str], path_column: str = "path") -> None:
+    def __init__(self, list_path: str | os.PathLike[str], path_column: str = "path",
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.list_path = str(list_path)
         self.path_column = path_column
+        self.storage_options = dict(storage_options) if storage_options else None
         self.listing = ListingSkips()
+        self._objects: Objects | None = None
+        self._ahead: ReadAhead[Any] | None = None
+
+    @property
+    def objects(self) -> Objects:
+        """The reader of objects at URLs (made on first use, with :attr:`storage_options`)."""
+        if self._objects is None:
+            self._objects = Objects(self.storage_options)
+        return self._objects
 
     def _table(self) -> list[dict[str, Any]]:
-        p = check_root(self.list_path)
+        remote = is_url(self.list_path)
+        p: Any = PurePosixPath(self.list_path) if remote else check_root(self.list_path)
+
+        def opened() -> Any:  # the list itself: a local path, or an object read through shardkit's store
+            return self.objects.open(self.list_path, block_size=8 * 2**20) if remote else p
         try:
             if p.suffix.lower() in (".parquet", ".pq"):
-                table = pq.read_table(p)  # typed by its writer: taken as is
+                table = pq.read_table(opened())  # typed by its writer: taken as is
             else:
                 # Every column as text first: pyarrow's type inference would read a zip code
                 # "00123" or an id "0001" as the integers 123 and 1.
-                with pacsv.open_csv(p) as head:
+                with pacsv.open_csv(opened()) as head:
                     names = head.schema.names
-                table = pacsv.read_csv(p, convert_options=pacsv.ConvertOptions(
+                table = pacsv.read_csv(opened(), convert_options=pacsv.ConvertOptions(
                     column_types={n: pa.string() for n in names}, strings_can_be_null=False))
+        except SourceError:
+            raise
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
-            raise SourceError(f"cannot read file list {p}: {exc}") from exc
+            raise SourceError(f"cannot read file list {self.list_path}: {exc}") from exc
         if self.path_column not in table.column_names:
-            raise SourceError(f"file list {p} has no {self.path_column!r} column (columns: {table.column_names})")
+            raise SourceError(f"file list {self.list_path} has no {self.path_column!r} column (columns: {table.column_names})")
         if table.num_rows == 0:
-            raise SourceError(f"file list {p} is empty")
+            raise SourceError(f"file list {self.list_path} is empty")
         for name in table.column_names:
             if name in (self.path_column, "key"):
                 continue  # the path and the key are not metadata: they make the sample
             if name == "source":  # kept for every source: the input each sample came from
-                raise SourceError(f"file list {p}: column 'source' is reserved (shardkit records each sample's "
+                raise SourceError(f"file list {self.list_path}: column 'source' is reserved (shardkit records each sample's "
                                   "path there); rename the column")
             if name in MANIFEST_COLUMNS:
-                raise SourceError(f"file list {p}: column {name!r} is reserved (the manifest has its own "
+                raise SourceError(f"file list {self.list_path}: column {name!r} is reserved (the manifest has its own "
                                   f"{name!r} column); rename the column")
         if p.suffix.lower() not in (".parquet", ".pq"):
             for i, name in enumerate(table.column_names):
@@ -76,10 +104,11 @@ class FileListSource:
         return table.to_pylist()
 
     def list_items(self) -> list[SourceItem]:
-        """One item per row, in row order (one ``stat`` per file; no data read).
+        """One item per row, in row order (one ``stat`` or HEAD per file, many HEADs at once;
+        no data read).
 
         Returns:
-            The items; ``ref`` is ``<row>:<path>``.
+            The items; ``ref`` is ``<row>:<path or URL>``.
 
         Raises:
             SourceNotFoundError: the list does not exist.
@@ -88,11 +117,29 @@ class FileListSource:
                 skipped); two rows share a key.
             ConfigError: a row's path is a URL carrying credentials or a signature.
         """
-        base = Path(self.list_path).parent
         items = []
         self.listing.skipped.clear()
         self._rows = self._table()  # fresh: the local engine's tasks and labels() reuse it
         self.__dict__.pop("_class_map", None)
+        for i, row, rel, where, size in self._sized(self._targets()):
+            if size is None:
+                self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {where} does not exist")
+                continue
+            key = row.get("key")  # 0 and "00" are keys too: only a missing one falls back to the path
+            stem = os.path.splitext(rel)[0] if is_url(rel) else Path(rel).with_suffix("").as_posix()
+            key = safe_key(str(key) if key is not None and key != "" else stem)
+            members = [(_list_field(where), size)]
+            if "label" in row:
+                members.append(("cls", 1))  # any class index fits the one block a 1-byte body takes
+            items.append(SourceItem(ref=f"{i}:{where}", nbytes=item_bytes(key, members), key=key))
+        ensure_unique(items, self.list_path)
+        self.reads_s3 = any(it.ref.partition(":")[2].startswith(("s3://", "s3a://")) for it in items)
+        return items
+
+    def _targets(self) -> Iterator[tuple[int, dict[str, Any], str, str]]:
+        """(row, its values, its path as given, the file's path or URL) of each usable row."""
+        remote = is_url(self.list_path)
+        base = self.list_path.rpartition("/")[0] if remote else str(Path(self.list_path).parent)
         for i, row in enumerate(self._rows):
             rel = row[self.path_column]
             if not rel:
@@ -107,20 +154,30 @@ class FileListSource:
                     continue
             # A signed URL would be kept in error messages and dataset.json's "skipped": refused at once.
             refuse_url_credentials(str(rel), f"file list {self.list_path}: row {i}: {self.path_column!r}")
-            path = Path(rel) if os.path.isabs(rel) else base / rel
+            rel = str(rel)
+            if is_url(rel):
+                where = rel
+            elif rel.startswith("file://"):
+                where = rel[len("file://"):]
+            elif os.path.isabs(rel):
+                where = str(Path(rel))
+            else:
+                where = join_url(base, rel) if remote else str(Path(base) / rel)
+            yield i, row, rel, where
+
+    def _sized(self, rows: Iterator[tuple[int, dict[str, Any], str, str]]
+               ) -> Iterator[tuple[int, dict[str, Any], str, str, int | None]]:
+        """``rows`` with each file's size (None: missing), objects' sizes asked for many at once."""
+        def size(where: str) -> int | None:
             try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {path} does not exist")
-                continue
-            key = row.get("key")  # 0 and "00" are keys too: only a missing one falls back to the path
-            key = safe_key(str(key) if key is not None and key != "" else Path(rel).with_suffix("").as_posix())
-            members = [(_list_field(path), size)]
-            if "label" in row:
-                members.append(("cls", 1))  # any class index fits the one block a 1-byte body takes
-            items.append(SourceItem(ref=f"{i}:{path}", nbytes=item_bytes(key, members), key=key))
-        ensure_unique(items, self.list_path)
-        return items
+                return self.objects.size(where) if is_url(where) else Path(where).stat().st_size
+            except (SourceNotFoundError, FileNotFoundError):
+                return None
+        with ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="shardkit-head") as pool:
+            while block := [r for _, r in zip(range(_HEAD_BLOCK), rows)]:
+                remote = [pool.submit(size, r[3]) if is_url(r[3]) else None for r in block]
+                for r, fut in zip(block, remote):
+                    yield (*r, fut.result() if fut is not None else size(r[3]))
 
     def load(self, item: SourceItem) -> PackSample:
         """Read one row's file.
@@ -135,19 +192,44 @@ class FileListSource:
         Raises:
             SourceError: the file is unreadable, an image field is no image, or the label is bad.
         """
-        index, _, p = item.ref.partition(":")
-        path = Path(p)
+        index, _, where = item.ref.partition(":")
         row = self._row(int(index))
-        ext = _list_field(path)
+        ext = _list_field(where)
         meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
         meta["source"] = row[self.path_column]
-        fields: dict[str, FieldValue] = {ext: read_field(path)}
-        check_image(path, ext, fields[ext])
+        if is_url(where):
+            if self._ahead is None:
+                self._ahead = ReadAhead(self._fetch)
+            value = self._ahead.get(item)
+            check_image(where, ext, value, lambda: self.objects.open(where))
+        else:
+            value = read_field(Path(where))
+            check_image(Path(where), ext, value)
+        fields: dict[str, FieldValue] = {ext: value}
         if "label" in row:
             cls = _label_class(row["label"], f"file list {self.list_path}: row {index}")
             # A class name is numbered; the column keeps the name (and an integral float as written).
             fields["cls"] = str(self._classes()[cls] if isinstance(cls, str) else cls).encode()
         return PackSample(item.key, fields, meta)
+
+    def _fetch(self, item: SourceItem) -> FieldValue:
+        return self.objects.read(item.ref.partition(":")[2], item.nbytes)
+
+    def task_items(self, items: list[SourceItem]) -> None:
+        """The packer's hook at a task's start: read the task's objects ahead, in this order.
+
+        Args:
+            items: the task's items, in order.
+        """
+        if any(is_url(it.ref.partition(":")[2]) for it in items):
+            if self._ahead is None:
+                self._ahead = ReadAhead(self._fetch)
+            self._ahead.start(items)
+
+    def task_done(self) -> None:
+        """The packer's hook after a task: stop reading ahead."""
+        if self._ahead is not None:
+            self._ahead.close()
 
     def _classes(self) -> dict[str, int]:
         """Class name -> index of a text ``label`` column ("cat", "dog"): the sorted distinct
@@ -172,7 +254,12 @@ class FileListSource:
 
     def __getstate__(self) -> dict[str, Any]:
         """Only the options: a task reads the list again rather than receive every row."""
-        return {"list_path": self.list_path, "path_column": self.path_column}
+        return {"list_path": self.list_path, "path_column": self.path_column,
+                "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (a Ray task) opens its own stores and threads."""
+        self.__init__(**state)  # type: ignore[misc]
 
     def describe(self) -> dict[str, Any]:
         """Describe the source for dataset.json.
@@ -222,9 +309,9 @@ def _label_class(label: Any, where: str) -> int | str:
     raise SourceError(f"{where}: label {label!r} is neither a class index (a whole number) nor a class name")
 
 
-def _list_field(path: Path) -> str:
-    """The field a file list's file is packed as: its lowercased extension, ``bin`` if none."""
-    ext = path.suffix.lower().lstrip(".") or "bin"
+def _list_field(path: str) -> str:
+    """The field a file list's file (path or URL) is packed as: its lowercased extension, ``bin`` if none."""
+    ext = PurePosixPath(path).suffix.lower().lstrip(".") or "bin"
     return "jpg" if ext == "jpeg" else ext
 
 

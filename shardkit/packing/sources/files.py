@@ -2,6 +2,10 @@
 
 Files are listed with their sizes (one ``stat`` each, no data read) so the planner can split
 work by bytes; data is read inside pack tasks. Large files stream into the tar in chunks.
+The root may also be a URL prefix (``s3://raw/train/``): its objects are listed many prefixes at
+once (:mod:`~shardkit.packing.sources.listing`) and read ahead within each task
+(:class:`~shardkit.packing.sources.objects.ReadAhead`), packing to the same bytes as the same
+folder on disk.
 (A CSV/Parquet file list is :mod:`shardkit.packing.sources.filelist`.)
 """
 
@@ -13,17 +17,19 @@ import logging
 import os
 from itertools import chain
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from PIL import Image, UnidentifiedImageError
 
 from shardkit.errors import SourceError, SourceNotFoundError
-from shardkit.format.fields import IMAGE_EXTS, PACK_IMAGE_EXTS
+from shardkit.format.fields import IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
+from shardkit.packing.sources.listing import walk_objects
+from shardkit.packing.sources.objects import Objects, ReadAhead, is_url, join_url
 from shardkit.packing.sources.walk import walk_in_order
 
-__all__ = ["STREAM_THRESHOLD", "FolderSource", "ImageFolderSource", "check_image", "check_root", "ensure_unique",
+__all__ = ["STREAM_THRESHOLD", "FolderRoot", "FolderSource", "check_image", "check_root", "ensure_unique", "text_name",
            "read_field"]
 
 log = logging.getLogger(__name__)
@@ -31,7 +37,6 @@ log = logging.getLogger(__name__)
 # Files up to this size are read whole; larger ones stream into the tar in _CHUNK pieces.
 STREAM_THRESHOLD = 16 * 2**20
 _CHUNK = 8 * 2**20
-_IMAGE_SUFFIXES = frozenset(f".{ext}" for ext in PACK_IMAGE_EXTS)  # what an ImageFolder packs
 
 
 def _sample_entry(name: str) -> str | None:
@@ -43,9 +48,6 @@ def _sample_entry(name: str) -> str | None:
     return name.replace(".", "\0", 1)
 
 
-def _image_entry(name: str) -> str | None:
-    """An ImageFolder's image file sorts by its name; other files are left out."""
-    return name if os.path.splitext(name)[1].lower() in _IMAGE_SUFFIXES else None
 
 
 def read_field(path: str | os.PathLike[str]) -> FieldValue:
@@ -80,7 +82,13 @@ def read_field(path: str | os.PathLike[str]) -> FieldValue:
     return StreamedField(size, chunks)
 
 
-def check_image(path: str | os.PathLike[str], field: str, value: FieldValue) -> None:
+def _shown(path: str | os.PathLike[str]) -> str:
+    """A path or URL as messages name it (``Path`` would fold a URL's ``//``)."""
+    return path if isinstance(path, str) and is_url(path) else str(Path(path))
+
+
+def check_image(path: str | os.PathLike[str], field: str, value: FieldValue,
+                opener: Callable[[], BinaryIO] | None = None) -> None:
     """Refuse an image field (by its last extension, as the reader decodes it) that is empty or
     whose header is no image format PIL knows.
 
@@ -92,6 +100,8 @@ def check_image(path: str | os.PathLike[str], field: str, value: FieldValue) -> 
             from it).
         field: the field name.
         value: the field's value.
+        opener: opens the file for a big (streamed) value's header, for a ``path`` that is
+            no local file (an object URL).
 
     Raises:
         SourceError: naming ``path``, when the image is empty or unreadable.
@@ -100,18 +110,22 @@ def check_image(path: str | os.PathLike[str], field: str, value: FieldValue) -> 
         return
     size = value.size if isinstance(value, StreamedField) else len(value)
     if size == 0:
-        raise SourceError(f"{Path(path)} is not a readable image: it is empty (0 bytes)")
+        raise SourceError(f"{_shown(path)} is not a readable image: it is empty (0 bytes)")
     try:
         # A big file streams: PIL reads the header from the file, not the whole of it.
-        with Image.open(path if isinstance(value, StreamedField) else io.BytesIO(value)):
+        if not isinstance(value, StreamedField):
+            source: Any = io.BytesIO(value)
+        else:
+            source = opener() if opener is not None else path
+        with Image.open(source):
             pass
     except Image.DecompressionBombError:
         pass  # a very large image is still an image: PIL knew its format and its size
     except UnidentifiedImageError as exc:
-        raise SourceError(f"{Path(path)} is not a readable image: its {size} bytes are in no image format "
+        raise SourceError(f"{_shown(path)} is not a readable image: its {size} bytes are in no image format "
                           "PIL recognises") from exc
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for corrupt headers
-        raise SourceError(f"{Path(path)} is not a readable image: {type(exc).__name__}: {exc}") from exc
+        raise SourceError(f"{_shown(path)} is not a readable image: {type(exc).__name__}: {exc}") from exc
 
 
 def check_root(path: str | os.PathLike[str]) -> Path:
@@ -150,7 +164,82 @@ def ensure_unique(items: list[SourceItem], where: str) -> None:
         seen.add(it.key)
 
 
-class FolderSource:
+class FolderRoot:
+    """A folder source's root, a local folder or a URL prefix: listing and reading its files.
+
+    A remote root's objects are read ahead within a task (``task_items``/``task_done``, the
+    packer's hooks); the reader and its threads are never pickled.
+
+    Args:
+        root: the folder: a local path, or a URL prefix of objects.
+        storage_options: fsspec options for a URL (credentials, endpoint); never shown.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> None:
+        self.root = str(root).rstrip("/") if is_url(str(root)) else str(root)
+        self.remote = is_url(self.root)
+        self.storage_options = dict(storage_options) if storage_options and self.remote else None
+        self._objects: Objects | None = None
+        self._ahead: ReadAhead[Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Paths and options: a copy (a Ray task) opens its own stores and threads."""
+        return {**self.__dict__, "_objects": None, "_ahead": None}
+
+    @property
+    def objects(self) -> Objects:
+        """The reader of a remote root's objects (made on first use, with :attr:`storage_options`)."""
+        if self._objects is None:
+            self._objects = Objects(self.storage_options)
+        return self._objects
+
+    def _walk(self, top: str, entry: Callable[[str], str | None],
+              rejected: list[str] | None = None) -> Iterator[tuple[str, int]]:
+        """(relative path, size) of the kept files under ``top`` (``root/<top>``), in order."""
+        if self.remote:
+            return walk_objects(self.objects, join_url(self.root, top) if top else self.root, entry, rejected)
+        return walk_in_order(f"{self.root}/{top}" if top else self.root, entry, rejected)
+
+    def _where(self, rel: str) -> str:
+        return join_url(self.root, rel) if self.remote else f"{self.root}/{rel}"
+
+    def _read(self, rel: str, at_most: int) -> FieldValue:
+        """One file's field value (``at_most``: an upper bound of its size)."""
+        return self.objects.read(self._where(rel), at_most) if self.remote else read_field(self._where(rel))
+
+    def _check_image(self, rel: str, field: str, value: FieldValue) -> None:
+        where = self._where(rel)
+        check_image(where, field, value, (lambda: self.objects.open(where)) if self.remote else None)
+
+    def _fetch(self, item: SourceItem) -> Any:  # pragma: no cover - defined by each source
+        raise NotImplementedError
+
+    def _fetched(self, item: SourceItem) -> Any:
+        """``_fetch(item)``, read ahead in a task over a remote root."""
+        if not self.remote:
+            return self._fetch(item)
+        if self._ahead is None:
+            self._ahead = ReadAhead(self._fetch)
+        return self._ahead.get(item)
+
+    def task_items(self, items: list[SourceItem]) -> None:
+        """The packer's hook at a task's start: read its objects ahead, in this order.
+
+        Args:
+            items: the task's items, in order.
+        """
+        if self.remote:
+            if self._ahead is None:
+                self._ahead = ReadAhead(self._fetch)
+            self._ahead.start(items)
+
+    def task_done(self) -> None:
+        """The packer's hook after a task: stop reading ahead."""
+        if self._ahead is not None:
+            self._ahead.close()
+
+
+class FolderSource(FolderRoot):
     """A directory whose files group into samples by key: ``a.jpg`` + ``a.cls`` + ``a.json``.
 
     As in WebDataset, the key is the path up to the first dot of the file name and the field
@@ -158,11 +247,12 @@ class FolderSource:
     with :func:`~shardkit.packing.sample.safe_key` and the original kept in the ``source`` column.
 
     Args:
-        root: the folder (local path).
+        root: the folder: a local path, or a URL prefix of objects (``s3://bucket/train``).
+        storage_options: fsspec options for a URL (credentials, endpoint); never shown.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = str(root)
+    def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(root, storage_options)
         self.listing = ListingSkips()
 
     def list_items(self) -> list[SourceItem]:
@@ -179,16 +269,18 @@ class FolderSource:
         # One streamed pass over the files in sample order (by key, then path, so that each
         # sample's files are next to each other), no per-file objects kept: a folder of tens
         # of millions of files must list in bounded memory on the driver.
-        root = check_root(self.root)
-        if not root.is_dir():
-            raise SourceError(f"source {root} is not a directory")
+        root: Any = self.root
+        if not self.remote:
+            root = check_root(self.root)
+            if not root.is_dir():
+                raise SourceError(f"source {root} is not a directory")
         self.listing.skipped.clear()
         bad: list[str] = []  # names that are no <key>.<field>: reported once listed, in path order
         clash = None  # the first sample with two files of one field: raised after the bad names
         items: list[SourceItem] = []
         members: list[tuple[str, int]] = []
         raw = None
-        for rel, size in chain(walk_in_order(str(root), _sample_entry, bad), ((None, 0),)):
+        for rel, size in chain(self._walk("", _sample_entry, bad), ((None, 0),)):
             key_of = None if rel is None else _raw_key(rel)
             if members and key_of != raw:
                 fields = [_field(r) for r, _ in members]
@@ -207,8 +299,9 @@ class FolderSource:
             raw = key_of
             members.append((rel, size))  # type: ignore[arg-type]
         for rel in sorted(bad):
-            self.listing.bad(str(root / rel), f"cannot group {root / rel} into a sample: name it <key>.<field> "
-                                              "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
+            where = self._where(rel)
+            self.listing.bad(where, f"cannot group {where} into a sample: name it <key>.<field> "
+                                    "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
         if not items and clash is None:
             raise SourceError(f"source {root} holds no files")
         if clash is not None:
@@ -228,15 +321,17 @@ class FolderSource:
         Raises:
             SourceError: a file is unreadable, or an image field is no image.
         """
-        root = Path(self.root)
         fields: dict[str, FieldValue] = {}
         first = None
-        for rel in json.loads(item.ref):
+        for rel, value in self._fetched(item):
             first = first or rel
             name = _field(rel)
-            fields[name] = read_field(root / rel)
-            check_image(root / rel, name, fields[name])
-        return PackSample(item.key, fields, {"source": _text(_raw_key(first or item.key))})
+            fields[name] = value
+            self._check_image(rel, name, value)
+        return PackSample(item.key, fields, {"source": text_name(_raw_key(first or item.key))})
+
+    def _fetch(self, item: SourceItem) -> list[tuple[str, FieldValue]]:
+        return [(rel, self._read(rel, item.nbytes)) for rel in json.loads(item.ref)]
 
     def describe(self) -> dict[str, Any]:
         """Describe the source for dataset.json.
@@ -255,9 +350,16 @@ class FolderSource:
         return None
 
 
-def _text(name: str) -> str:
+def text_name(name: str) -> str:
     """A file name as valid UTF-8 for the manifest: undecodable bytes (surrogate-escaped by
-    ``os.scandir``) become U+FFFD; Arrow refuses lone surrogates."""
+    ``os.scandir``) become U+FFFD; Arrow refuses lone surrogates.
+
+    Args:
+        name: a file name or relative path.
+
+    Returns:
+        The text.
+    """
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
@@ -271,113 +373,3 @@ def _raw_key(rel: str) -> str:
     head, _, name = rel.rpartition("/")
     stem = name.partition(".")[0]
     return f"{head}/{stem}" if head else stem
-
-
-class ImageFolderSource:
-    """``root/<class>/**/<image>``: one sample per image, ``cls`` = class index.
-
-    Classes are the sorted top-level directory names (as torchvision's ImageFolder does);
-    dataset.json gets the ``labels`` map. Files that are not images are ignored.
-
-    Args:
-        root: the folder (local path).
-    """
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = str(root)
-        self._classes: list[str] | None = None
-
-    def classes(self) -> list[str]:
-        """The class names: the sorted folders directly under the root.
-
-        Returns:
-            The names; a class's index is its position here.
-
-        Raises:
-            SourceNotFoundError: the root does not exist.
-            SourceError: it is no folder, or holds no class folders.
-        """
-        if self._classes is None:
-            root = check_root(self.root)
-            if not root.is_dir():
-                raise SourceError(f"source {root} is not a directory")
-            self._classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-            if not self._classes:
-                raise SourceError(f"source {root} has no class directories (--labels-from-dirs expects root/<class>/<image>)")
-        return self._classes
-
-    def list_items(self) -> list[SourceItem]:
-        """One item per image, class by class, each class's images in path order.
-
-        Returns:
-            The items; ``ref`` is ``<class>/<path>``.
-
-        Raises:
-            SourceError: no class folders, no images, or two images share a key.
-        """
-        root = Path(self.root)
-        loose = [e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith(".")
-                 and Path(e.name).suffix.lower() in _IMAGE_SUFFIXES]
-        if loose:  # as torchvision's ImageFolder, but said out loud: they are not packed
-            log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
-                        "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
-        items: list[SourceItem] = []
-        for index, cls in enumerate(self.classes()):
-            cls_field = ("cls", len(str(index)))
-            for rel, size in walk_in_order(str(root / cls), _image_entry):
-                full = f"{cls}/{rel}"
-                key = safe_key(full)
-                items.append(SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)),
-                                        key=key))
-        if not items:
-            raise SourceError(f"source {root} holds no images")
-        ensure_unique(items, self.root)
-        return items
-
-    def load(self, item: SourceItem) -> PackSample:
-        """Read one image.
-
-        Args:
-            item: one of :meth:`list_items`.
-
-        Returns:
-            The sample: the image (field ``jpg``, ``png``...) and ``cls``; meta ``label``,
-            ``class_name`` and ``source``.
-
-        Raises:
-            SourceError: the file is unreadable or no image.
-        """
-        cls = item.ref.split("/", 1)[0]
-        label = self.labels()[cls]  # type: ignore[index]
-        ext = _image_field(item.ref)
-        path = f"{self.root}/{item.ref}"  # a str path: no Path objects per image
-        image = read_field(path)
-        check_image(path, ext, image)
-        return PackSample(item.key, {ext: image, "cls": str(label).encode()},
-                          {"label": label, "class_name": _text(cls), "source": _text(item.ref)})
-
-    def describe(self) -> dict[str, Any]:
-        """Describe the source for dataset.json.
-
-        Returns:
-            ``{"type": "imagefolder", "path": <the root>}``.
-        """
-        return {"type": "imagefolder", "path": self.root}
-
-    def labels(self) -> dict[str, int] | None:
-        """The class map: the class folders, numbered in sorted order (see :meth:`classes`).
-
-        Returns:
-            Class name -> index.
-
-        Raises:
-            SourceNotFoundError: the root does not exist.
-            SourceError: it is no folder, or holds no class folders.
-        """
-        return {c: i for i, c in enumerate(self.classes())}
-
-
-def _image_field(path: str) -> str:
-    """``a/b.JPEG`` -> ``jpg``: the field an image file is packed as."""
-    ext = os.path.splitext(path)[1].lower().lstrip(".")
-    return "jpg" if ext == "jpeg" else ext

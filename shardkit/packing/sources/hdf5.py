@@ -4,6 +4,7 @@ Every array is packed as a standard ``.npy`` body (the header ``np.save`` writes
 C-order bytes), so any reader gets dtype and shape back with ``np.load``; large arrays stream
 (:mod:`shardkit.packing.sources.hdf5_read`).
 
+Files may be objects (``s3://...``), read with ranged GETs through fsspec file objects.
 The source is pickled into Ray tasks, so what it pickles is only paths and options. In rows
 mode ``load`` keeps the files it reads open, with their datasets looked up, until
 :meth:`Hdf5Source.close` (the packer calls it after each task; see
@@ -25,6 +26,7 @@ from shardkit.packing.sources.base import SourceItem, item_bytes
 from shardkit.packing.sources.hdf5_read import array_field, array_layout, get_dataset, meta_attrs, open_h5
 from shardkit.packing.sources.hdf5_rows import OpenRows, row_field
 from shardkit.packing.sources.npy import npy_header
+from shardkit.packing.sources.objects import is_url
 from shardkit.packing.sources.optional import require
 
 __all__ = ["Hdf5Source"]
@@ -38,7 +40,8 @@ class Hdf5Source:
 
     Args:
         path_or_paths: an HDF5 file, a list of files, or a directory (searched recursively for
-            ``.h5``/``.hdf5``/``.hdf``/``.he5``/``.nc``), local paths.
+            ``.h5``/``.hdf5``/``.hdf``/``.he5``/``.nc``), local paths; files may also be
+            object URLs (``s3://...``).
         datasets: in ``"datasets"`` mode, an optional comma-separated list of dataset paths or
             glob patterns (``images/*``) to include (default: all); in ``"rows"`` mode, the
             comma-separated datasets whose rows form the samples (required).
@@ -47,6 +50,7 @@ class Hdf5Source:
             ``attr_<name>``. ``"rows"``: row ``i`` of every named dataset is one sample, key
             ``safe_key(f"{stem}_{i:09d}")``, fields ``<basename>.npy``, meta ``source`` =
             ``"<file>::<i>"``.
+        storage_options: fsspec options for URLs (credentials, endpoint); never shown.
 
     Raises:
         SourceError: a bad mode, no paths, or rows mode without datasets.
@@ -58,7 +62,9 @@ class Hdf5Source:
         *,
         datasets: str | None = None,
         mode: Literal["datasets", "rows"] = "datasets",
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        self.storage_options = dict(storage_options) if storage_options else None
         if mode not in ("datasets", "rows"):
             raise SourceError(f"Hdf5Source: mode must be 'datasets' or 'rows', not {mode!r}")
         self.paths = (
@@ -102,7 +108,9 @@ class Hdf5Source:
     def _files(self) -> list[str]:
         out: list[str] = []
         for p in self.paths:
-            if os.path.isdir(p):
+            if is_url(p):
+                out.append(p)  # a missing object is named when it is opened
+            elif os.path.isdir(p):
                 found = sorted(
                     str(f) for f in Path(p).rglob("*") if f.suffix.lower() in _H5_SUFFIXES and f.is_file()
                 )
@@ -140,9 +148,9 @@ class Hdf5Source:
         stems = self._stems(files)
         items: list[SourceItem] = []
         for path in files:
-            if not h5py.is_hdf5(path):
+            if not is_url(path) and not h5py.is_hdf5(path):
                 raise SourceError(f"{path}: not an HDF5 file")
-            with open_h5(path) as f:
+            with open_h5(path, self.storage_options) as f:
                 if self.mode == "datasets":
                     items.extend(self._list_datasets(f, path, stems[path]))
                 else:
@@ -214,17 +222,18 @@ class Hdf5Source:
         path, _, what = item.ref.rpartition("::")
         if self.mode == "rows":
             return self._load_row(item, path, int(what.strip("[]")))
-        with open_h5(path) as f:
+        with open_h5(path, self.storage_options) as f:
             dset = get_dataset(f, what, item.ref)
             meta = meta_attrs(dset)
             meta["source"] = item.ref
-            return PackSample(key=item.key, fields={"npy": array_field(dset, path, what, ())}, meta=meta)
+            field = array_field(dset, path, what, (), self.storage_options)
+            return PackSample(key=item.key, fields={"npy": field}, meta=meta)
 
     def _load_row(self, item: SourceItem, path: str, row: int) -> PackSample:
         if self._open_rows.inherited:  # forked since: the parent's files stay as they are
             self._open_rows.release()
             self._open_rows = OpenRows()
-        rf = self._open_rows.get(path)
+        rf = self._open_rows.get(path, self.storage_options)
         fields: dict[str, FieldValue] = {}
         for name in self.datasets:
             col = rf.column(name)

@@ -3,6 +3,8 @@
 A large array streams: its field is a :class:`~shardkit.packing.sample.StreamedField` that
 reads the dataset slab by slab into one reused buffer, so a dataset of hundreds of MB never
 sits in memory whole. h5py is imported on first use (:func:`~shardkit.packing.sources.optional.require`).
+A file may be an object (``s3://...``): h5py reads it through a seekable fsspec file object,
+each read a ranged GET, so a streamed array still moves slab by slab.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.objects import Objects, is_url
 from shardkit.packing.sources.optional import require
 
 __all__ = ["array_field", "array_layout", "dataset_chunks", "get_dataset", "meta_attrs", "open_h5", "read_into",
@@ -28,11 +31,12 @@ _RDCC_NBYTES = 32 * 1024 * 1024
 _ATTR_OK = re.compile(r"[^A-Za-z0-9_]")
 
 
-def open_h5(path: str) -> Any:
+def open_h5(path: str, storage_options: dict[str, Any] | None = None) -> Any:
     """``path`` opened read-only with a chunk cache big enough for streamed slabs.
 
     Args:
-        path: an HDF5 file.
+        path: an HDF5 file: a local path or an object URL.
+        storage_options: fsspec options for a URL (credentials, endpoint).
 
     Returns:
         The open ``h5py.File``.
@@ -42,6 +46,13 @@ def open_h5(path: str) -> Any:
         SourceError: it is no readable HDF5 file, or h5py is not installed.
     """
     h5py = require("hdf5")
+    if is_url(path):
+        raw = Objects(storage_options).open(path)  # SourceNotFoundError when missing
+        try:
+            return h5py.File(raw, "r", rdcc_nbytes=_RDCC_NBYTES)
+        except (OSError, ValueError) as exc:
+            raw.close()
+            raise SourceError(f"{path}: not a readable HDF5 file: {exc}") from exc
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file")
     try:
@@ -113,14 +124,16 @@ def _slabs(shape: tuple[int, ...], itemsize: int, chunks: tuple[int, ...] | None
             )
 
 
-def dataset_chunks(path: str, name: str, sel: tuple[Any, ...]) -> Iterator[bytes]:
+def dataset_chunks(path: str, name: str, sel: tuple[Any, ...],
+                   storage_options: dict[str, Any] | None = None) -> Iterator[bytes]:
     """The .npy bytes of ``path[name][sel]``, opening the file for the read.
 
     Args:
-        path: the HDF5 file.
+        path: the HDF5 file (a local path or an object URL).
         name: the dataset's path in it.
         sel: a leading selection (``(slice(i, i + 1),)`` for row ``i``); empty for the whole
             dataset.
+        storage_options: fsspec options for a URL.
 
     Yields:
         The header, then the data slab by slab.
@@ -129,7 +142,7 @@ def dataset_chunks(path: str, name: str, sel: tuple[Any, ...]) -> Iterator[bytes
         SourceError: the file or dataset cannot be read.
     """
     ref = f"{path}::{name}"
-    with open_h5(path) as f:
+    with open_h5(path, storage_options) as f:
         yield from _iter_npy(streaming_dataset(f, name, ref), sel, ref)
 
 
@@ -278,7 +291,8 @@ def meta_attrs(dset: Any) -> dict[str, Any]:
     return meta
 
 
-def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...]) -> FieldValue:
+def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...],
+                storage_options: dict[str, Any] | None = None) -> FieldValue:
     """The .npy body of ``dset[sel]`` as a field value.
 
     Args:
@@ -287,6 +301,7 @@ def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...]) -> FieldV
         name: the dataset's path in it.
         sel: a leading selection (``(slice(i, i + 1),)`` for row ``i``); empty for the whole
             dataset.
+        storage_options: fsspec options for a URL (a streamed field reopens it).
 
     Returns:
         The bytes, read now, if they fit CHUNK_BYTES; else a StreamedField that reopens the
@@ -304,4 +319,4 @@ def array_field(dset: Any, path: str, name: str, sel: tuple[Any, ...]) -> FieldV
         if len(data) != size:
             raise SourceError(f"{ref}: read {len(data)} bytes, expected {size}")
         return data
-    return StreamedField(size=size, chunks=functools.partial(dataset_chunks, path, name, sel))
+    return StreamedField(size=size, chunks=functools.partial(dataset_chunks, path, name, sel, storage_options))

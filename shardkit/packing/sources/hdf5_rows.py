@@ -37,15 +37,17 @@ class RowColumn:
 
     Args:
         f: the open h5py file.
-        path: the file's path.
+        path: the file's path or URL.
         name: the dataset's path in the file.
+        storage_options: fsspec options for a URL (a streamed row reopens it).
 
     Raises:
         SourceError: no such dataset, a scalar one, or a dtype ``.npy`` cannot hold.
     """
 
-    def __init__(self, f: Any, path: str, name: str) -> None:
+    def __init__(self, f: Any, path: str, name: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path, self.name, self.ref = path, name, f"{path}::/{name}"
+        self.storage_options = storage_options
         dset = streaming_dataset(f, name, self.ref)
         dtype, shape = array_layout(dset, self.ref)
         if not shape:
@@ -81,7 +83,7 @@ class RowColumn:
         """
         if self.size > CHUNK_BYTES:
             return StreamedField(size=self.size, chunks=functools.partial(
-                dataset_chunks, self.path, "/" + self.name, (row,)))
+                dataset_chunks, self.path, "/" + self.name, (row,), self.storage_options))
         if self.dset is None:  # rows of zero elements are their header alone
             return self.header
         if not self.start <= row < self.stop:
@@ -101,16 +103,18 @@ class RowFile:
     """An open rows-mode file and the columns looked up in it so far.
 
     Args:
-        path: the HDF5 file.
+        path: the HDF5 file (a local path or an object URL).
+        storage_options: fsspec options for a URL.
 
     Raises:
         SourceNotFoundError: it does not exist.
         SourceError: it is no readable HDF5 file.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
-        self.file = open_h5(path)
+        self.storage_options = storage_options
+        self.file = open_h5(path, storage_options)
         self.columns: dict[str, RowColumn] = {}
 
     def column(self, name: str) -> RowColumn:
@@ -127,7 +131,7 @@ class RowFile:
         """
         col = self.columns.get(name)
         if col is None:  # a missing dataset is not remembered: it raises on every load, as before
-            col = self.columns[name] = RowColumn(self.file, self.path, name)
+            col = self.columns[name] = RowColumn(self.file, self.path, name, self.storage_options)
         return col
 
     def close(self) -> None:
@@ -166,11 +170,12 @@ class OpenRows:
         """Made before this process forked: its files are the parent's (see :meth:`release`)."""
         return self.generation != _fork_generation
 
-    def get(self, path: str) -> RowFile:
+    def get(self, path: str, storage_options: dict[str, Any] | None = None) -> RowFile:
         """The open file at ``path``, opened now if it is not.
 
         Args:
-            path: an HDF5 file.
+            path: an HDF5 file (a local path or an object URL).
+            storage_options: fsspec options for a URL.
 
         Returns:
             The open file.
@@ -181,7 +186,7 @@ class OpenRows:
         """
         rf = self.files.get(path)
         if rf is None:
-            rf = RowFile(path)
+            rf = RowFile(path, storage_options)
             self.files.put(path, rf)
         return rf
 

@@ -4,6 +4,9 @@ A ``.npy`` file becomes one sample with field ``npy`` whose bytes are the file, 
 verbatim (so Fortran order, big-endian data and any header version survive). A ``.npz``
 becomes one sample with a field ``<array>.npy`` per member: npz members are ``.npy`` files in
 a zip, so their (decompressed) bytes are exactly what ``np.save`` would write.
+
+Files may be objects (``s3://...``): headers and zip directories are read with ranged GETs
+through seekable file objects, and big arrays stream chunk by chunk as local ones do.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import functools
 import io
 import os
+import posixpath
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, BinaryIO, Iterator, Sequence, Union
 
 import numpy as np
 
@@ -23,6 +27,7 @@ from shardkit.format.streams import CHUNK_BYTES, iter_exact
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, check_field_name, safe_key
 from shardkit.packing.sources.base import SourceItem, item_bytes
+from shardkit.packing.sources.objects import Objects, is_url
 
 try:  # numpy >= 2 keeps the implementation private; np.save's exact header writer lives there
     from numpy.lib import _format_impl as _npformat
@@ -75,16 +80,23 @@ def _data_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _file_chunks(path: str, size: int, name: str) -> Iterator[bytes]:
+def _open(path: str, objects: Objects | None) -> BinaryIO:
+    """``path`` (a local file or an object URL) opened for reading."""
+    if objects is not None and is_url(path):
+        return objects.open(path, block_size=CHUNK_BYTES)
+    return open(path, "rb")
+
+
+def _file_chunks(path: str, size: int, name: str, objects: Objects | None = None) -> Iterator[bytes]:
     """The first ``size`` bytes of ``path`` in pieces of at most CHUNK_BYTES."""
-    with open(path, "rb") as f:
+    with _open(path, objects) as f:
         yield from iter_exact(f, size, name, CHUNK_BYTES)
 
 
-def _zip_member_chunks(path: str, member: str, size: int, name: str) -> Iterator[bytes]:
+def _zip_member_chunks(path: str, member: str, size: int, name: str, objects: Objects | None = None) -> Iterator[bytes]:
     """The decompressed bytes of one zip member in pieces of at most CHUNK_BYTES."""
     try:
-        with zipfile.ZipFile(path) as zf, zf.open(member) as f:
+        with _open(path, objects) as raw, zipfile.ZipFile(raw) as zf, zf.open(member) as f:
             yield from iter_exact(f, size, name, CHUNK_BYTES)
     except (zipfile.BadZipFile, OSError) as exc:
         raise SourceError(f"{name}: cannot read npz member: {exc}") from exc
@@ -94,7 +106,9 @@ class NpySource:
     """``.npy`` and ``.npz`` files: a directory (searched recursively) or a list of files.
 
     Args:
-        paths_or_dir: a directory, one file, or a list of files (local paths).
+        paths_or_dir: a directory, one file, or a list of files (local paths; files may also be
+            object URLs, ``s3://...``).
+        storage_options: fsspec options for URLs (credentials, endpoint); never shown.
 
     Keys are :func:`safe_key` of the path relative to the directory (or to the files' common
     parent) without extension; meta ``source`` is that relative path.
@@ -103,7 +117,9 @@ class NpySource:
         SourceError: no paths given.
     """
 
-    def __init__(self, paths_or_dir: PathLike | Sequence[PathLike]) -> None:
+    def __init__(self, paths_or_dir: PathLike | Sequence[PathLike], storage_options: dict[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options) if storage_options else None
+        self._objects: Objects | None = None
         if isinstance(paths_or_dir, (str, os.PathLike)):
             self.paths: list[str] = [os.fspath(paths_or_dir)]
         else:
@@ -114,17 +130,35 @@ class NpySource:
     def __repr__(self) -> str:
         return f"NpySource({self.paths if len(self.paths) != 1 else self.paths[0]!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Paths and options: a copy (a Ray task) opens its own stores."""
+        return {**self.__dict__, "_objects": None}
+
+    @property
+    def objects(self) -> Objects | None:
+        """The reader of object URLs, when any path is one (made on first use)."""
+        if self._objects is None and any(is_url(p) for p in self.paths):
+            self._objects = Objects(self.storage_options)
+        return self._objects
+
+    def _is_dir(self, path: str) -> bool:
+        return not is_url(path) and os.path.isdir(path)
+
     # -- listing ---------------------------------------------------------------------------
 
     def _root(self) -> str:
         """The directory relative paths (keys, meta ``source``) are taken from."""
-        if len(self.paths) == 1 and os.path.isdir(self.paths[0]):
+        if len(self.paths) == 1 and self._is_dir(self.paths[0]):
             return self.paths[0]
+        if all(is_url(p) for p in self.paths):  # scheme://bucket/...: the common folder, scheme kept
+            scheme = self.paths[0].partition("://")[0]
+            common = posixpath.commonpath([posixpath.dirname(p.partition("://")[2]) for p in self.paths])
+            return f"{scheme}://{common}"
         return os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
 
     def _files(self) -> list[tuple[str, str]]:
         """(path, relative path) of every input file, sorted by relative path."""
-        if len(self.paths) == 1 and os.path.isdir(self.paths[0]):
+        if len(self.paths) == 1 and self._is_dir(self.paths[0]):
             root = Path(self.paths[0])
             files = [f for f in root.rglob("*") if f.suffix in (".npy", ".npz") and f.is_file()]
             out = [(str(f), f.relative_to(root).as_posix()) for f in files]
@@ -132,13 +166,15 @@ class NpySource:
                 raise SourceError(f"{root}: no .npy or .npz files found")
         else:
             for p in self.paths:
+                if is_url(p):
+                    if not p.endswith((".npy", ".npz")):
+                        raise SourceError(f"{p}: not a .npy or .npz file")
+                    continue  # a missing object is named by the first read of its header
                 if not os.path.exists(p):
                     raise SourceNotFoundError(f"{p}: no such file")
                 if not p.endswith((".npy", ".npz")) or not os.path.isfile(p):
                     raise SourceError(f"{p}: not a .npy or .npz file")
-            base = self._root()
-            absolute = [os.path.abspath(p) for p in self.paths]
-            out = [(p, Path(os.path.relpath(p, base)).as_posix()) for p in absolute]
+            out = [(p, self._rel(p)) for p in (p if is_url(p) else os.path.abspath(p) for p in self.paths)]
         return sorted(out, key=lambda t: t[1])
 
     def list_items(self) -> list[SourceItem]:
@@ -152,7 +188,7 @@ class NpySource:
             SourceError: a file is no .npy/.npz, a header is bad or disagrees with the file's
                 size, an npz member is no array, or two files share a key.
         """
-        if len(self.paths) == 1 and not os.path.exists(self.paths[0]):
+        if len(self.paths) == 1 and not is_url(self.paths[0]) and not os.path.exists(self.paths[0]):
             raise SourceNotFoundError(f"{self.paths[0]}: no such file or directory")
         items: list[SourceItem] = []
         seen: dict[str, str] = {}
@@ -168,22 +204,21 @@ class NpySource:
             items.append(SourceItem(ref=path, nbytes=nbytes, key=key))
         return items
 
-    @staticmethod
-    def _check_npy(path: str, rel: str) -> int:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+    def _check_npy(self, path: str, rel: str) -> int:
+        objects = self.objects if is_url(path) else None
+        size = objects.size(path) if objects is not None else os.path.getsize(path)
+        with _open(path, objects) as f:
             dtype, shape, _, header_len = parse_npy_header(f, name=rel)
         expected = header_len + _data_nbytes(dtype, shape)
         if size != expected:
             raise SourceError(f"{rel}: file is {size} bytes but its .npy header implies {expected}")
         return size
 
-    @staticmethod
-    def _npz_members(path: str, rel: str) -> list[tuple[str, str, int]]:
+    def _npz_members(self, path: str, rel: str) -> list[tuple[str, str, int]]:
         """(zip member, field name, size) per array, validated (headers only)."""
         out = []
         try:
-            with zipfile.ZipFile(path) as zf:
+            with _open(path, self.objects if is_url(path) else None) as raw, zipfile.ZipFile(raw) as zf:
                 for info in sorted(zf.infolist(), key=lambda i: i.filename):
                     if info.is_dir():
                         continue
@@ -228,20 +263,23 @@ class NpySource:
         path = item.ref
         rel = self._rel(path)
         fields: dict[str, FieldValue] = {}
-        if not os.path.exists(path):
+        if not is_url(path) and not os.path.exists(path):
             raise SourceNotFoundError(f"{rel}: no such file")
+        objects = self.objects if is_url(path) else None
         if path.endswith(".npy"):
             size = self._check_npy(path, rel)
-            fields["npy"] = _small_or_streamed(functools.partial(_file_chunks, path, size, rel), size)
+            fields["npy"] = _small_or_streamed(functools.partial(_file_chunks, path, size, rel, objects), size)
         else:
             for member, field, size in self._npz_members(path, rel):
                 name = f"{rel}:{member}"
                 fields[field] = _small_or_streamed(
-                    functools.partial(_zip_member_chunks, path, member, size, name), size
+                    functools.partial(_zip_member_chunks, path, member, size, name, objects), size
                 )
         return PackSample(key=item.key, fields=fields, meta={"source": rel})
 
     def _rel(self, path: str) -> str:
+        if is_url(path):
+            return posixpath.relpath(path.partition("://")[2], self._root().partition("://")[2])
         return Path(os.path.relpath(path, self._root())).as_posix()
 
     def describe(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import posixpath
 import re
+from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,10 +20,13 @@ import pyarrow.parquet as pq
 from shardkit.errors import ConfigError, SourceError, SourceNotFoundError
 from shardkit.packing.sources.base import Source
 from shardkit.packing.sources.filelist import FileListSource
-from shardkit.packing.sources.files import FolderSource, ImageFolderSource
+from shardkit.packing.sources.files import FolderSource
+from shardkit.packing.sources.imagefolder import ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
+from shardkit.packing.sources.listing import walk_objects
 from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.objects import Objects
 from shardkit.packing.sources.table import TABLE_SUFFIXES, TableSource, payload_columns_of
 from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
 from shardkit.packing.sources.wds import WdsTarSource
@@ -33,6 +38,8 @@ __all__ = ["resolve_source"]
 _HDF5 = (".h5", ".hdf5", ".hdf", ".he5")
 _LMDB = (".mdb", ".lmdb")
 _COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+# Extensions of single files a URL may name (a Zarr store or LMDB environment is a folder).
+_FILES = (".csv", ".parquet", ".pq", ".npy", ".npz", ".json", ".jsonl", ".txt") + _HDF5
 _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 
@@ -47,7 +54,10 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     arrays; only HDF5 -> HDF5; otherwise a keyed folder (or an ImageFolder with
     ``labels_from_dirs``). Only names and sizes are looked at. A directory or URL holding
     ``zarr.json`` (or named ``*.zarr``) is a Zarr store; one holding ``data.mdb``, or a
-    ``.mdb``/``.lmdb`` file, an LMDB environment.
+    ``.mdb``/``.lmdb`` file, an LMDB environment. Another URL names a file by its extension
+    (TFRecord, table or list, HDF5, ``.npy``/``.npz``, ``.tar``), a glob of tars, or a prefix:
+    an ImageFolder with ``labels_from_dirs``, tars when its first objects are all ``.tar``,
+    else a keyed folder of objects.
 
     Args:
         source: a Source, or a path, glob or URL (``file://`` too).
@@ -64,8 +74,8 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
 
     Raises:
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
-        SourceError: a type of input no source reads (a remote path that is no tar, a file
-            type, a folder of tars and other files, an empty folder).
+        SourceError: a type of input no source reads (a file type, a folder of tars and other
+            files, an empty folder).
         ConfigError: ``hdf5_rows``, ``zarr_rows``, ``lmdb_field`` or ``payload_columns`` for a
             source of another kind (not silently ignored), or credentials in a URL.
     """
@@ -95,8 +105,8 @@ def _remote_kind(url: str, storage_options: dict[str, Any] | None) -> str | None
         return "zarr"
     if base.lower().endswith(_LMDB):
         return "lmdb"
-    if url.endswith("/") or base.endswith(".tar") or "*" in base:
-        return None
+    if url.endswith("/") or base.endswith(".tar") or "*" in base or posixpath.splitext(base)[1].lower() in _FILES:
+        return None  # a URL another source reads by its name: no probe
     import fsspec  # a core dependency; imported here as only this probe needs it
 
     try:
@@ -211,7 +221,8 @@ def _ambiguous(source: Any, payload: list[str]) -> str:
             "binary columns to pack it as a file list")
 
 
-def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> Source:
+def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None,
+                   storage_options: dict[str, Any] | None) -> Source:
     """A Parquet file's rows as a table (binary columns: the payload is in it) or as a file
     list (a ``path`` column of strings naming files), by its schema alone."""
     try:
@@ -225,7 +236,36 @@ def _table_or_list(path: Path, payload_columns: str | dict[str, str] | None) -> 
         raise SourceError(_ambiguous(path, payload))
     if payload:
         return TableSource(path)
-    return FileListSource(path)
+    return FileListSource(path, storage_options=storage_options)  # its rows may be URLs
+
+
+# Objects a remote folder is sniffed by (the first ones listed): only .tar -> WebDataset tars.
+_SNIFF = 1000
+
+
+def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
+            hdf5_rows: str | None) -> Source:
+    """The source for a URL: a file by its extension, a prefix as tars, an ImageFolder or a
+    keyed folder of objects (sniffed by its first objects' names)."""
+    bare = url.rstrip("/")
+    suffix = posixpath.splitext(bare)[1].lower()
+    if bare.endswith(".tar") or _glob.has_magic(url):
+        return WdsTarSource(url, storage_options=storage_options)
+    if suffix in (".csv", ".parquet", ".pq"):
+        return FileListSource(bare, storage_options=storage_options)
+    if suffix in _HDF5:
+        return Hdf5Source(bare, datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets",
+                          storage_options=storage_options)
+    if suffix in (".npy", ".npz"):
+        return NpySource([bare], storage_options=storage_options)
+    if labels_from_dirs:
+        return ImageFolderSource(bare, storage_options)
+    names = [rel for rel, _ in islice(walk_objects(Objects(storage_options), bare, lambda n: n), _SNIFF)]
+    # A prefix `shardkit index` made a dataset keeps its own files beside the tars: not input.
+    names = [n for n in names if n.split("/", 1)[0] not in _DATASET_OWN]
+    if names and all(n.lower().endswith(".tar") for n in names):
+        return WdsTarSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
+    return FolderSource(bare, storage_options)
 
 
 def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
@@ -245,14 +285,12 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         table = _remote_table(text, storage_options, payload_columns)
         if table is not None:
             return table
-        kind = _remote_kind(text, storage_options)  # last: it may probe the URL
+        kind = _remote_kind(text, storage_options)  # it may probe the URL: after the names above
         if kind == "zarr":
             return _zarr(text, zarr_rows, storage_options)
         if kind == "lmdb":  # refused (one line): LMDB is read from local disk only
             return LmdbSource(text)
-        if text.rstrip("/").endswith(".tar") or "*" in text or text.endswith("/"):
-                return WdsTarSource(text, storage_options=storage_options)
-        raise SourceError(f"remote source {text}: only WebDataset tars (*.tar or a glob) are read from URLs")
+        return _remote(text, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows)
     # Absolute: Ray tasks on an existing cluster run in another working directory.
     path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
     if not path.exists() and _glob.has_magic(str(path)):  # a file named "[a].tar" is read as itself
@@ -266,11 +304,11 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         return LmdbSource(path, field=lmdb_field or "bin")
     if path.is_file():
         if suffix in (".parquet", ".pq"):
-            return _table_or_list(path, payload_columns)
+            return _table_or_list(path, payload_columns, storage_options)
         if suffix in (".arrow", ".feather"):
             return TableSource(path, payload_columns=payload_columns)
         if suffix == ".csv":
-            return FileListSource(path)
+            return FileListSource(path, storage_options=storage_options)  # its rows may be URLs
         if suffix in _HDF5:
             return Hdf5Source(str(path), datasets=hdf5_rows, mode="rows" if hdf5_rows else "datasets")
         if suffix in (".npy", ".npz"):
