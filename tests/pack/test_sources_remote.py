@@ -377,6 +377,10 @@ def test_a_prefix_is_sniffed_by_its_objects(s3_server, s3_bucket):
     assert isinstance(resolve_source(f"{s3_bucket}/keyed", storage_options=so), FolderSource)
     assert isinstance(resolve_source(f"{s3_bucket}/keyed", labels_from_dirs=True, storage_options=so),
                       ImageFolderSource)
+    # A Parquet URL is a file list or a table by its schema (read from the footer).
+    listing = io.BytesIO()
+    pq.write_table(pa.table({"path": ["keyed/a.jpg"]}), listing)
+    fs.pipe({f"{b}/l.parquet": listing.getvalue()})
     assert isinstance(resolve_source(f"{s3_bucket}/l.parquet", storage_options=so), FileListSource)
     assert isinstance(resolve_source(f"{s3_bucket}/v.h5", storage_options=so, hdf5_rows="x"), Hdf5Source)
     assert isinstance(resolve_source(f"{s3_bucket}/a.npz", storage_options=so), NpySource)
