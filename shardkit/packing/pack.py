@@ -37,7 +37,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          shard_samples: int | None = None, labels_from_dirs: bool = False, on_error: str = "raise",
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
-         progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None) -> dict[str, Any]:
+         progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None,
+         token_dtype: str | None = None, token_column: str | None = None) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
@@ -78,6 +79,10 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             (default: each array is a sample).
         lmdb_field: for an LMDB source, the field each value is packed as, a decoder hint
             (``"jpg"``; default ``"bin"``).
+        token_dtype: pack tokenized documents (``.npy``/``.bin`` token arrays, Parquet token
+            lists; see :mod:`shardkit.packing.sources.tokens`) stored as ``"uint16"`` or
+            ``"uint32"``; needed for raw ``.bin`` files.
+        token_column: pack tokenized documents, Parquet rows' token lists in this column.
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
@@ -107,14 +112,16 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         if engine != "local":
             raise ConfigError("engine: an iterable source is packed with engine='local' (it cannot be listed ahead)")
         given = [name for name, value in (("hdf5_rows", hdf5_rows), ("zarr_rows", zarr_rows),
-                                          ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None))
+                                          ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None),
+                                          ("token_dtype", token_dtype), ("token_column", token_column))
                  if value is not None]
         if given:
             raise ConfigError(f"{given[0]}: applies to a source path, not to an iterable of samples (give each sample "
                               "its fields)")
         return pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options,
-                         hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field)
+                         hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field,
+                         token_dtype=token_dtype, token_column=token_column)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
     if listing is not None:
         listing.skip = on_error == "skip"

@@ -13,8 +13,10 @@ from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource
 from shardkit.packing.sources.resolve import resolve_source
+from shardkit.packing.sources.tokens import TokenSource
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.sources.zarr import ZarrSource
 
 __all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "Hdf5Source", "NpySource",
-           "WdsTarSource", "resolve_source", "ZarrSource", "LmdbSource"]
+           "WdsTarSource", "resolve_source", "ZarrSource", "LmdbSource",
+           "TokenSource"]

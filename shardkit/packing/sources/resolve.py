@@ -19,6 +19,7 @@ from shardkit.packing.sources.files import FolderSource, ImageFolderSource
 from shardkit.packing.sources.hdf5 import Hdf5Source
 from shardkit.packing.sources.lmdb import LmdbSource
 from shardkit.packing.sources.npy import NpySource
+from shardkit.packing.sources.tokens import TokenSource
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.sources.zarr import ZarrSource
 from shardkit.storage.urls import refuse_url_credentials
@@ -33,7 +34,8 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
                    hdf5_rows: str | None = None, zarr_rows: str | None = None,
-                   lmdb_field: str | None = None) -> Source:
+                   lmdb_field: str | None = None, token_dtype: str | None = None,
+                   token_column: str | None = None) -> Source:
     """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
@@ -50,6 +52,10 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         hdf5_rows: for an HDF5 source, the datasets whose rows are the samples.
         zarr_rows: for a Zarr source, the arrays whose rows are the samples.
         lmdb_field: for an LMDB source, the field each value is packed as (default ``bin``).
+        token_dtype: read the path as tokenized documents (:class:`TokenSource`): the dtype of
+            ``.bin`` token files and the dtype stored (``uint16``/``uint32``).
+        token_column: read the path as tokenized documents, Parquet rows' token lists in this
+            column.
 
     Returns:
         The source.
@@ -58,14 +64,26 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
         SourceError: a type of input no source reads (a remote path that is no tar, a file
             type, a folder of tars and other files, an empty folder).
-        ConfigError: ``hdf5_rows``, ``zarr_rows`` or ``lmdb_field`` for a source of another
-            kind (not silently ignored), or credentials in a URL.
+        ConfigError: ``hdf5_rows``, ``zarr_rows``, ``lmdb_field``, ``token_dtype`` or
+            ``token_column`` for a source of another kind (not silently ignored), or
+            credentials in a URL.
     """
+    if (token_dtype is not None or token_column is not None) and isinstance(source, (str, os.PathLike)):
+        text = str(source)
+        refuse_url_credentials(text, "source")
+        if "://" in text and not text.startswith("file://"):
+            raise SourceError(f"source {text}: token files are read from local disk; copy them there first")
+        path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
+        if not path.exists():
+            raise SourceNotFoundError(f"source {path} does not exist")
+        return TokenSource(str(path), token_dtype=token_dtype, token_column=token_column)
     src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
                    zarr_rows=zarr_rows, lmdb_field=lmdb_field)
     for option, value, kind, cls in (("hdf5_rows", hdf5_rows, "HDF5", Hdf5Source),
                                      ("zarr_rows", zarr_rows, "Zarr", ZarrSource),
-                                     ("lmdb_field", lmdb_field, "LMDB", LmdbSource)):
+                                     ("lmdb_field", lmdb_field, "LMDB", LmdbSource),
+                                     ("token_dtype", token_dtype, "token", TokenSource),
+                                     ("token_column", token_column, "token", TokenSource)):
         if value is not None and not isinstance(src, cls):
             raise ConfigError(f"{option} (--{option.replace('_', '-')} {value}) applies to {kind} sources only; "
                               f"{source} is a {src.describe().get('type', type(src).__name__)} source")
@@ -191,6 +209,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
             return NpySource([str(path)])
         if suffix == ".tar":
                 return WdsTarSource(str(path))
+        if suffix == ".bin":
+            raise SourceError(f"source {path}: a raw token file? pass token_dtype (--token-dtype uint16|uint32)")
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
