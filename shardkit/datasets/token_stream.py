@@ -212,7 +212,7 @@ class TokenStream(MixedStreamingDataset):
                 out[at:at + n] = self._tokens(stream, p.doc, p.start, p.stop, kept)
                 at += n
             if p.eos:
-                out[at] = geo.eos_token
+                out[at] = int(geo.eos_token or 0)  # eos is set only when eos_token is
                 at += 1
         return out
 
