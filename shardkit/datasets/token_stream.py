@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence, cast
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from shardkit.errors import ConfigError, ManifestError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
 from shardkit.read.mixture import MixtureOrder, mixture_counts, positions_of
 from shardkit.read.partition import rank_ranges, worker_ranges
+from shardkit.read.shard_source import ShardSource
 from shardkit.read.stream import Stream
 from shardkit.read.token_windows import TokenWindows, token_counts
 from shardkit.read.topology import current
@@ -183,13 +184,21 @@ class TokenStream(MixedStreamingDataset):
         if in_main:
             self._yielded = 0
         kept: list[OrderedDict[int, np.ndarray]] = [OrderedDict() for _ in self.dss]
-        for pos in positions_of(ranges, piece=4096):
-            streams, windows = order.take(pos)
-            for s, w in zip(streams.tolist(), windows.tolist()):
-                out = torch.from_numpy(self._window(s, w, kept[s]))
-                if in_main:
-                    self._yielded += 1
-                yield out
+        fetched = _Fetched([self._reader(i) for i in range(len(self.dss))])
+        self._stats.begin()
+        nbytes = 8 * max((w.span for w in self.windows), default=0)
+        try:
+            for pos in positions_of(ranges, piece=4096):
+                streams, windows = order.take(pos)
+                for s, w in zip(streams.tolist(), windows.tolist()):
+                    out = torch.from_numpy(self._window(s, w, kept[s]))
+                    if in_main:
+                        self._yielded += 1
+                    if self._stats.count(1, nbytes):
+                        self._stats.save(cast(ShardSource, fetched), topo, final=False)
+                    yield out
+        finally:
+            self._stats.save(cast(ShardSource, fetched), topo, final=True)
 
     def _reader(self, stream: int) -> ShardDataset:
         if self._readers is None:
@@ -242,3 +251,15 @@ class TokenStream(MixedStreamingDataset):
     def _mismatch(self, stream: int, doc: int, n: int) -> str:
         return (f"{self.dss[stream].url}: sample {doc}'s {TOKEN_FIELD} does not hold the {n} tokens its manifest "
                 "num_tokens says (a damaged manifest or shard)")
+
+
+class _Fetched:
+    """The readers' storage counters since the epoch began, as a shard source's stats (so
+    :meth:`TokenStream.stats` counts ``bytes_fetched`` beside ``samples``, the windows)."""
+
+    def __init__(self, readers: Sequence[ShardDataset]) -> None:
+        self.readers = list(readers)
+        self.start = [r.stats()["bytes_fetched"] for r in self.readers]
+
+    def stats(self) -> dict[str, float]:
+        return {"bytes_fetched": float(sum(r.stats()["bytes_fetched"] - a for r, a in zip(self.readers, self.start)))}

@@ -234,5 +234,8 @@ def test_from_s3_through_one_node_cache(s3_env, s3_bucket, docs_a, tmp_path):
         got += [key(w) for w in ts]
     assert len(got) == len(set(got)) == 2 * (len(every) // 2) and set(got) <= set(every)
     assert any((tmp_path / "cache").rglob("*.tar*"))  # the shards went through the node cache
-    uncached = [key(w) for w in TokenStream(dest, block_size=8, eos_token=0)]
+    plain = TokenStream(dest, block_size=8, eos_token=0)
+    uncached = [key(w) for w in plain]
     assert uncached == every  # ranged reads of the token rows, no cache
+    stats = plain.stats()
+    assert stats["samples"] == len(every) and stats["bytes_fetched"] > 0
