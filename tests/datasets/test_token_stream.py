@@ -4,8 +4,15 @@ world size and worker count; a weighted mixture of two token datasets; bad datas
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -239,3 +246,57 @@ def test_from_s3_through_one_node_cache(s3_env, s3_bucket, docs_a, tmp_path):
     assert uncached == every  # ranged reads of the token rows, no cache
     stats = plain.stats()
     assert stats["samples"] == len(every) and stats["bytes_fetched"] > 0
+
+
+WORKER = Path(__file__).resolve().parents[1] / "ddp_token_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(tmp: Path, world: int, timeout: float = 180, **cfg: Any) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp / f"tok-{world}-{rank}-{port}.json"
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})], env=env))
+        outs.append(out)
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            assert p.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_two_workers_stop_and_resume_with_three_ranks(s3_env, s3_bucket, docs_a, docs_b, tmp_path):
+    urls, every = [], []
+    for i, (url, docs) in enumerate((docs_a, docs_b)):
+        urls.append(f"{s3_bucket}/tok{i}")
+        shardkit.pack(str(Path(url).parent / "src"), urls[-1], shard_bytes="2KB", token_dtype="uint32",
+                      progress=False)
+        every += expected_windows(docs, 8, False, 0, True)
+    cfg = {"urls": urls, "block_size": 8, "cache_dir": str(tmp_path / "cache"), "batch_size": 4, "num_workers": 2}
+    first = run_ranks(tmp_path, 2, stop_after=5, **cfg)
+    assert [r["steps"] for r in first] == [5, 5] and first[0]["len"] == first[1]["len"]
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(first[0]["state"]))
+    second = run_ranks(tmp_path, 3, state_in=str(state), **cfg)
+    assert len({len(r["windows"]) for r in second}) == 1  # equal counts per rank
+    got = Counter(tuple(w) for r in first + second for w in r["windows"])
+    left = len(every) - 2 * 5 * 4
+    pad = -left % 3  # without drop_last the last short share is padded by repeating windows
+    assert set(got) == set(every)  # nothing lost
+    assert sum(got.values()) == len(every) + pad and sum(c - 1 for c in got.values()) == pad  # nothing else repeated
+    assert len([d for d in os.listdir(tmp_path / "cache") if not d.startswith(".")]) == 2  # one cache, a namespace each
