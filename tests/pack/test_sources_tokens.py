@@ -5,6 +5,7 @@ line naming the file (and row)."""
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,8 @@ def test_cli_packs_tokens(tmp_path, capsys):
     assert np.array_equal(got[0], np.arange(1000)) and got[1] == 1000
 
 
-@pytest.mark.parametrize("case", ["odd_bytes", "bin_no_dtype", "string_list", "no_column", "null_row", "two_d",
+@pytest.mark.parametrize("case", ["odd_bytes", "bin_no_dtype", "string_list", "no_column", "null_row", "null_token",
+                                  "two_d",
                                   "floats", "bad_bounds", "too_wide", "parquet_no_column_option"])
 def test_bad_input_is_one_line_naming_the_file(tmp_path, case):
     src = tmp_path / "src"
@@ -153,6 +155,10 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, case):
         pq.write_table(pa.table({"tokens": [[1, 2], [3], None]}), src / "t.parquet", row_group_size=2)
         opts["token_column"] = "tokens"
         expect = ["t.parquet row 2", "null"]
+    elif case == "null_token":
+        pq.write_table(pa.table({"tokens": [[1, 2], [3], [4, None, 5]]}), src / "t.parquet", row_group_size=2)
+        opts["token_column"] = "tokens"
+        expect = ["t.parquet row 2", "null token id"]
     elif case == "two_d":
         np.save(src / "a.npy", np.zeros((3, 4), dtype=np.uint16))
         expect = ["a.npy", "1-D integers", "(3, 4)"]
@@ -173,6 +179,27 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, case):
     with pytest.raises(SourceError) as info:
         shardkit.pack(str(src), str(tmp_path / "ds"), progress=False, **opts)
     _one_line(info.value, *expect)
+
+
+def test_parquet_listing_reads_one_row_group_at_a_time(tmp_path, monkeypatch):
+    rows = [list(range(i % 50)) for i in range(300)]
+    pq.write_table(pa.table({"tokens": rows}), tmp_path / "t.parquet", row_group_size=40)
+    read = []
+    real = pq.ParquetFile.read_row_group
+
+    def spy(self, i, *args, **kwargs):
+        read.append((i, kwargs.get("columns")))
+        return real(self, i, *args, **kwargs)
+
+    def whole(self, *args, **kwargs):
+        raise AssertionError("listing read the whole file")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole)
+    source = TokenSource(tmp_path / "t.parquet", token_column="tokens")
+    items = source.list_items()
+    assert len(items) == 300 and [i for i, _ in read] == list(range(8)) and {tuple(c) for _, c in read} == {("tokens",)}
+    assert pickle.loads(pickle.dumps(source)).load(items[7]).meta["num_tokens"] == 7  # sources go to Ray tasks
 
 
 def test_resolution(tmp_path):

@@ -230,10 +230,16 @@ class TokenSource:
             raise SourceError(f"{rel}: column {column!r} is {kind}, expected a list of integers (token ids)")
         row = 0
         for g in range(pf.num_row_groups):
-            lengths = pc.list_value_length(pf.read_row_group(g, columns=[column]).column(column))
+            col = pf.read_row_group(g, columns=[column]).column(column)
+            lengths = pc.list_value_length(col)
             if lengths.null_count:
                 bad = row + int(np.flatnonzero(lengths.is_null().to_numpy(zero_copy_only=False))[0])
                 raise SourceError(f"{rel} row {bad}: {column!r} is null, expected a list of token ids")
+            values = pc.list_flatten(col)
+            if values.null_count:  # a null token id: found here, where the row can be named
+                at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+                bad = row + int(pc.list_parent_indices(col).to_numpy()[at])
+                raise SourceError(f"{rel} row {bad}: {column!r} holds a null token id")
             for n in lengths.to_numpy().tolist():
                 yield int(n)
             row += len(lengths)
@@ -252,8 +258,7 @@ class TokenSource:
 
         Raises:
             SourceNotFoundError: the file is gone.
-            SourceError: the file changed, a token does not fit the stored dtype, or a row
-                holds a null token.
+            SourceError: the file changed, or a token does not fit the stored dtype.
         """
         path, _, where = item.ref.rpartition("#")
         rel = Path(os.path.relpath(path, self._root())).as_posix()
