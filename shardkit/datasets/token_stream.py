@@ -199,6 +199,8 @@ class TokenStream(MixedStreamingDataset):
                     yield out
         finally:
             self._stats.save(cast(ShardSource, fetched), topo, final=True)
+            for reader in fetched.readers:  # unpin the cached shards held open (they reopen next epoch)
+                reader.close()
 
     def _reader(self, stream: int) -> ShardDataset:
         if self._readers is None:
