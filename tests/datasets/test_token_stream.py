@@ -110,6 +110,34 @@ def test_windows_concatenate_back_to_the_packed_tokens(docs_a, respect, eos, tar
         assert not set(short) & set(by_doc)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_big_documents_are_read_by_rows(docs_a, monkeypatch, tmp_path, cached):
+    import shardkit.datasets.token_stream as mod
+
+    url, docs = docs_a
+    monkeypatch.setattr(mod, "_WHOLE_DOC", 50)  # documents over 50 tokens: only each window's rows are read
+    calls = []
+    real = mod.ShardDataset.read_array
+
+    def spy(self, index, field="npy", rows=None):
+        calls.append(rows)
+        return real(self, index, field, rows)
+
+    monkeypatch.setattr(mod.ShardDataset, "read_array", spy)
+    ts = TokenStream(url, block_size=16, eos_token=7, shuffle=True, cache_dir=tmp_path / "c" if cached else None)
+    got = sorted(key(w) for w in ts)
+    assert got == sorted(expected_windows(docs, 16, False, 7, True))
+    assert any(isinstance(r, slice) and r.stop - r.start <= 17 for r in calls)
+
+
+def test_a_manifest_count_that_lies_is_refused(docs_a, monkeypatch):
+    url, _ = docs_a
+    ts = TokenStream(url, block_size=8)
+    ts.windows[0].doc_tokens[0] += 1  # the manifest says one token more than the shard holds
+    with pytest.raises(shardkit.errors.ManifestError, match="does not hold the 38 tokens"):
+        list(ts)
+
+
 def test_shuffle_keeps_the_windows(docs_a):
     url, docs = docs_a
     plain = [key(w) for w in TokenStream(url, block_size=8)]
