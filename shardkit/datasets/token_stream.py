@@ -32,6 +32,7 @@ import numpy as np
 from shardkit.config import int_arg
 from shardkit.datasets.mixed import MixedStreamingDataset, as_streams
 from shardkit.datasets.random_access import ShardDataset
+from shardkit.datasets.token_reads import read_documents
 from shardkit.datasets.tensors import in_main_process
 from shardkit.errors import ConfigError, ManifestError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
@@ -47,6 +48,8 @@ __all__ = ["TOKEN_FIELD", "TokenStream"]
 TOKEN_FIELD = "tokens.npy"  # the member TokenSource writes (shardkit.packing.sources.tokens)
 _WHOLE_DOC = 1 << 20  # documents up to this many tokens are read whole and kept for the next windows
 _KEPT_DOCS = 8
+_PIECE = 256  # windows whose documents are read together without a cache (bounds the memory it takes)
+_RUN_DOC = 1 << 14  # without a cache, documents up to this many tokens are read in runs of neighbours
 
 
 class TokenStream(MixedStreamingDataset):
@@ -184,14 +187,17 @@ class TokenStream(MixedStreamingDataset):
         if in_main:
             self._yielded = 0
         kept: list[OrderedDict[int, np.ndarray]] = [OrderedDict() for _ in self.dss]
+        ahead: list[dict[int, np.ndarray]] = [{} for _ in self.dss]
         fetched = _Fetched([self._reader(i) for i in range(len(self.dss))])
         self._stats.begin()
         nbytes = 8 * max((w.span for w in self.windows), default=0)
         try:
-            for pos in positions_of(ranges, piece=4096):
+            for pos in positions_of(ranges, piece=_PIECE):
                 streams, windows = order.take(pos)
+                if self.cache_dir is None:  # the piece's short documents, in few ranged reads
+                    ahead = self._read_ahead(streams.tolist(), windows.tolist())
                 for s, w in zip(streams.tolist(), windows.tolist()):
-                    out = torch.from_numpy(self._window(s, w, kept[s]))
+                    out = torch.from_numpy(self._window(s, w, kept[s], ahead[s]))
                     if in_main:
                         self._yielded += 1
                     if self._stats.count(1, nbytes):
@@ -201,6 +207,15 @@ class TokenStream(MixedStreamingDataset):
             self._stats.save(cast(ShardSource, fetched), topo, final=True)
             for reader in fetched.readers:  # unpin the cached shards held open (they reopen next epoch)
                 reader.close()
+
+    def _read_ahead(self, streams: list[int], windows: list[int]) -> list[dict[int, np.ndarray]]:
+        """Per stream, the documents of these windows of at most :data:`_RUN_DOC` tokens (larger
+        ones are read as the windows need them), read by :func:`read_documents`."""
+        need: list[set[int]] = [set() for _ in self.dss]
+        for s, w in zip(streams, windows):
+            geo = self.windows[s]
+            need[s].update(p.doc for p in geo.pieces(w) if p.stop > p.start and geo.doc_tokens[p.doc] <= _RUN_DOC)
+        return [read_documents(self._reader(s), docs, TOKEN_FIELD) if docs else {} for s, docs in enumerate(need)]
 
     def _reader(self, stream: int) -> ShardDataset:
         if self._readers is None:
@@ -212,7 +227,8 @@ class TokenStream(MixedStreamingDataset):
             self._readers[stream] = reader
         return reader
 
-    def _window(self, stream: int, w: int, kept: OrderedDict[int, np.ndarray]) -> np.ndarray:
+    def _window(self, stream: int, w: int, kept: OrderedDict[int, np.ndarray],
+                ahead: dict[int, np.ndarray]) -> np.ndarray:
         """Window ``w`` of stream ``stream`` as int64 tokens."""
         geo = self.windows[stream]
         out = np.empty(geo.span, dtype=np.int64)
@@ -220,19 +236,25 @@ class TokenStream(MixedStreamingDataset):
         for p in geo.pieces(w):
             n = p.stop - p.start
             if n:
-                out[at:at + n] = self._tokens(stream, p.doc, p.start, p.stop, kept)
+                out[at:at + n] = self._tokens(stream, p.doc, p.start, p.stop, kept, ahead)
                 at += n
             if p.eos:
                 out[at] = int(geo.eos_token or 0)  # eos is set only when eos_token is
                 at += 1
         return out
 
-    def _tokens(self, stream: int, doc: int, a: int, b: int, kept: OrderedDict[int, np.ndarray]) -> np.ndarray:
-        """Tokens ``a:b`` of document ``doc``: small documents read whole and kept for the next
-        windows (a window of a concatenated stream often starts where the last one ended)."""
+    def _tokens(self, stream: int, doc: int, a: int, b: int, kept: OrderedDict[int, np.ndarray],
+                ahead: dict[int, np.ndarray]) -> np.ndarray:
+        """Tokens ``a:b`` of document ``doc``: read ahead with the piece's others, or small
+        documents read whole and kept for the next windows (a window of a concatenated stream
+        often starts where the last one ended)."""
         n = int(self.windows[stream].doc_tokens[doc])
         reader = self._reader(stream)
-        arr = kept.get(doc)
+        arr = ahead.get(doc)
+        if arr is None:
+            arr = kept.get(doc)
+        if arr is not None and arr.shape != (n,):
+            raise ManifestError(self._mismatch(stream, doc, n))
         if arr is None and n > _WHOLE_DOC:
             try:
                 part = reader.read_array(doc, TOKEN_FIELD, rows=slice(a, b))
@@ -245,9 +267,10 @@ class TokenStream(MixedStreamingDataset):
             arr = np.array(reader.read_array(doc, TOKEN_FIELD))  # a copy: no map of the cache held
             if arr.shape != (n,):
                 raise ManifestError(self._mismatch(stream, doc, n))
-            kept[doc] = arr
-            while len(kept) > _KEPT_DOCS:
-                kept.popitem(last=False)
+        kept[doc] = arr
+        kept.move_to_end(doc)
+        while len(kept) > _KEPT_DOCS:
+            kept.popitem(last=False)
         return arr[a:b]
 
     def _mismatch(self, stream: int, doc: int, n: int) -> str:

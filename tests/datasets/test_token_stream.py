@@ -116,6 +116,7 @@ def test_big_documents_are_read_by_rows(docs_a, monkeypatch, tmp_path, cached):
 
     url, docs = docs_a
     monkeypatch.setattr(mod, "_WHOLE_DOC", 50)  # documents over 50 tokens: only each window's rows are read
+    monkeypatch.setattr(mod, "_RUN_DOC", 50)  # (and, without a cache, not read ahead in runs)
     calls = []
     real = mod.ShardDataset.read_array
 
