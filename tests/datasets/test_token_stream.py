@@ -131,6 +131,30 @@ def test_big_documents_are_read_by_rows(docs_a, monkeypatch, tmp_path, cached):
     assert any(isinstance(r, slice) and r.stop - r.start <= 17 for r in calls)
 
 
+def test_uncached_reads_documents_in_runs(tmp_path):
+    rng = np.random.default_rng(11)
+    url, docs = pack_tokens(tmp_path, rng.integers(1, 40, 400).tolist(), shard_bytes="64KB")
+    ts = TokenStream(url, block_size=16)
+    got = [key(w) for w in ts]
+    assert got == expected_windows(docs, 16, False, None, True)
+    requests = sum(r.stats()["requests"] for r in (ts._readers or {}).values())
+    shards = shardkit.open_dataset(url).num_shards
+    # One GET per run of neighbouring documents: a few per shard, not one per document.
+    assert requests <= 4 * shards < len(docs) / 4, (requests, shards)
+
+
+def test_corrupt_token_bytes_are_caught(tmp_path):
+    url, docs = pack_tokens(tmp_path, [30, 30, 30], shard_bytes="64KB")
+    ds = shardkit.open_dataset(url)
+    row = ds.samples.to_pylist()[1]
+    shard = Path(url) / ds.shard_list[row["shard"]].path
+    data = bytearray(shard.read_bytes())
+    data[row["offset"] + 512 + 128 + 4] ^= 0xFF  # a token of document 1: past its tar header and .npy header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(shardkit.errors.IntegrityError, match="checksum"):
+        list(TokenStream(url, block_size=8))
+
+
 def test_a_manifest_count_that_lies_is_refused(docs_a, monkeypatch):
     url, _ = docs_a
     ts = TokenStream(url, block_size=8)
