@@ -8,6 +8,7 @@ Public API::
     mix = shardkit.StreamingDataset([shardkit.Stream("s3://b/web", weight=0.7), shardkit.Stream("s3://b/cur", weight=0.3)])
     loader = shardkit.StreamingDataLoader(stream, num_workers=8)      # exact resume
     ra = shardkit.ShardDataset("s3://bucket/ds")                      # random access
+    tokens = shardkit.TokenStream("s3://bucket/tokens", block_size=2048)  # LLM pre-training windows
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _LAZY = {
     "unpack": ".batch.collate",
     "Stream": ".read.stream",
     "Parts": ".packing.sources.parts",
+    "TokenStream": ".datasets.token_stream",
 }
 
 __all__ = [*_LAZY, "errors", "__version__"]

@@ -105,6 +105,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
                     shard_samples=args.shard_samples, labels_from_dirs=args.labels_from_dirs, on_error=args.on_error,
                     overwrite=args.overwrite, ray_address=args.ray_address, transform=transform,
                     hdf5_rows=args.hdf5_rows, zarr_rows=args.zarr_rows, lmdb_field=args.lmdb_field,
+                    token_dtype=args.token_dtype, token_column=args.token_column,
                     progress=not (args.json or args.quiet), append=args.append, payload_columns=args.payload_columns)
         if args.json and not ray_before and _ray_initialized():
             sys.modules["ray"].shutdown()
@@ -296,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LMDB: the field each value is packed as, e.g. jpg (default bin)")
     pk.add_argument("--payload-columns", default=None, metavar="COL:FIELD,...",
                     help="Parquet/Arrow table: binary column -> field (img:jpg,depth:npy)")
+    pk.add_argument("--token-dtype", choices=["uint16", "uint32"], default=None,
+                    help="tokenized documents (.npy/.bin token arrays, Parquet token lists): the dtype stored "
+                         "(needed for raw .bin files)")
+    pk.add_argument("--token-column", default=None, metavar="COLUMN",
+                    help="tokenized documents: the Parquet column holding each row's token list")
     pk.add_argument("--on-error", choices=["raise", "skip"], default="raise")
     pk.add_argument("--reencode", default=None, metavar="FMT[:QUALITY]", help="re-encode images: jpeg:90, webp:80")
     pk.add_argument("--resize", type=int, default=None, metavar="SHORTER_SIDE", help="resize images (shorter side)")

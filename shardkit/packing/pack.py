@@ -45,7 +45,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
          overwrite: bool = False, storage_options: dict[str, Any] | None = None, ray_address: str | None = None,
          transform: Any = None, task_bytes: int | str = DEFAULT_TASK_BYTES, hdf5_rows: str | None = None,
          progress: bool = True, zarr_rows: str | None = None, lmdb_field: str | None = None,
-         append: bool = False, payload_columns: str | dict[str, str] | None = None) -> dict[str, Any]:
+         append: bool = False, payload_columns: str | dict[str, str] | None = None,
+         token_dtype: str | None = None, token_column: str | None = None) -> dict[str, Any]:
     """Pack ``source`` into a dataset at ``dest`` and return its dataset.json content.
 
     A rerun of a pack that failed or was killed resumes it: tasks whose shards and fragment
@@ -97,6 +98,10 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
             an empty ``dest`` it is a plain pack (version 1).
         payload_columns: for a Parquet/Arrow table or a Hugging Face dataset, column -> field of
             its binary columns (``"img:jpg,depth:npy"``).
+        token_dtype: pack tokenized documents (``.npy``/``.bin`` token arrays, Parquet token
+            lists; see :mod:`shardkit.packing.sources.tokens`) stored as ``"uint16"`` or
+            ``"uint32"``; needed for raw ``.bin`` files.
+        token_column: pack tokenized documents, Parquet rows' token lists in this column.
 
     Returns:
         The dataset.json content, plus ``elapsed_seconds``, ``reused_tasks`` (tasks an
@@ -130,7 +135,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         raise ConfigError("append and overwrite exclude each other: append adds a version, overwrite replaces the "
                           "dataset")
     given = [name for name, value in (("hdf5_rows", hdf5_rows), ("zarr_rows", zarr_rows),
-                                      ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None))
+                                      ("lmdb_field", lmdb_field), ("labels_from_dirs", labels_from_dirs or None),
+                                      ("token_dtype", token_dtype), ("token_column", token_column))
              if value is not None]
     parts = as_parts(source) or ray_dataset_parts(source)
     if parts is not None:
@@ -161,7 +167,8 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
         return pack_iterable(source, store, opts, overwrite, progress)
     src = resolve_source(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options,
                          hdf5_rows=hdf5_rows, zarr_rows=zarr_rows, lmdb_field=lmdb_field,
-                         payload_columns=None if hf else payload_columns)
+                         payload_columns=None if hf else payload_columns, token_dtype=token_dtype,
+                         token_column=token_column)
     listing: ListingSkips | None = getattr(src, "listing", None)  # sources that can skip while listing
     if listing is not None:
         listing.skip = on_error == "skip"

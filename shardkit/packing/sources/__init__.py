@@ -17,9 +17,10 @@ from shardkit.packing.sources.resolve import resolve_source
 from shardkit.packing.sources.hf import HfSource
 from shardkit.packing.sources.table import TableSource
 from shardkit.packing.sources.tfrecord import TfRecordSource
+from shardkit.packing.sources.tokens import TokenSource
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.sources.zarr import ZarrSource
 
 __all__ = ["Source", "SourceItem", "FolderSource", "ImageFolderSource", "FileListSource", "Hdf5Source", "NpySource",
            "WdsTarSource", "resolve_source", "ZarrSource", "LmdbSource"]
-__all__ += ["TfRecordSource", "TableSource", "HfSource"]
+__all__ += ["TfRecordSource", "TableSource", "HfSource", "TokenSource"]

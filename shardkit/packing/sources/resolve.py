@@ -29,6 +29,7 @@ from shardkit.packing.sources.npy import NpySource
 from shardkit.packing.sources.objects import Objects
 from shardkit.packing.sources.table import TABLE_SUFFIXES, TableSource, payload_columns_of
 from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
+from shardkit.packing.sources.tokens import TokenSource
 from shardkit.packing.sources.wds import WdsTarSource
 from shardkit.packing.sources.zarr import ZarrSource
 from shardkit.storage.urls import refuse_url_credentials
@@ -45,7 +46,8 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 
 def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_options: dict[str, Any] | None = None,
                    hdf5_rows: str | None = None, zarr_rows: str | None = None,
-                   lmdb_field: str | None = None, payload_columns: str | dict[str, str] | None = None) -> Source:
+                   lmdb_field: str | None = None, payload_columns: str | dict[str, str] | None = None,
+                   token_dtype: str | None = None, token_column: str | None = None) -> Source:
     """A Source for ``source``: a Source object, a path (folder, list, .h5, .npy, .tar, .tfrecord) or a URL.
 
     Directories are sniffed by their files: only ``.tar`` -> existing WebDataset shards
@@ -68,6 +70,10 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         lmdb_field: for an LMDB source, the field each value is packed as (default ``bin``).
         payload_columns: for a table (Parquet/Arrow rows holding the payload), column -> field
             of its binary columns (``"img:jpg"``); also picks a table over a file list.
+        token_dtype: read the path as tokenized documents (:class:`TokenSource`): the dtype of
+            ``.bin`` token files and the dtype stored (``uint16``/``uint32``).
+        token_column: read the path as tokenized documents, Parquet rows' token lists in this
+            column.
 
     Returns:
         The source.
@@ -76,15 +82,27 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
         SourceNotFoundError: the path does not exist, or a glob matches nothing.
         SourceError: a type of input no source reads (a file type, a folder of tars and other
             files, an empty folder).
-        ConfigError: ``hdf5_rows``, ``zarr_rows``, ``lmdb_field`` or ``payload_columns`` for a
-            source of another kind (not silently ignored), or credentials in a URL.
+        ConfigError: ``hdf5_rows``, ``zarr_rows``, ``lmdb_field``, ``payload_columns``,
+            ``token_dtype`` or ``token_column`` for a source of another kind (not silently
+            ignored), or credentials in a URL.
     """
+    if (token_dtype is not None or token_column is not None) and isinstance(source, (str, os.PathLike)):
+        text = str(source)
+        refuse_url_credentials(text, "source")
+        if "://" in text and not text.startswith("file://"):
+            raise SourceError(f"source {text}: token files are read from local disk; copy them there first")
+        path = Path(text[len("file://"):] if text.startswith("file://") else text).absolute()
+        if not path.exists():
+            raise SourceNotFoundError(f"source {path} does not exist")
+        return TokenSource(str(path), token_dtype=token_dtype, token_column=token_column)
     src = _resolve(source, labels_from_dirs=labels_from_dirs, storage_options=storage_options, hdf5_rows=hdf5_rows,
                    zarr_rows=zarr_rows, lmdb_field=lmdb_field, payload_columns=payload_columns)
     for option, value, kind, cls in (("hdf5_rows", hdf5_rows, "HDF5", Hdf5Source),
                                      ("zarr_rows", zarr_rows, "Zarr", ZarrSource),
                                      ("lmdb_field", lmdb_field, "LMDB", LmdbSource),
-                                     ("payload_columns", payload_columns, "Parquet/Arrow table", TableSource)):
+                                     ("payload_columns", payload_columns, "Parquet/Arrow table", TableSource),
+                                     ("token_dtype", token_dtype, "token", TokenSource),
+                                     ("token_column", token_column, "token", TokenSource)):
         if value is not None and not isinstance(src, cls):
             raise ConfigError(f"{option} (--{option.replace('_', '-')} {value}) applies to {kind} sources only; "
                               f"{source} is a {src.describe().get('type', type(src).__name__)} source")
@@ -317,6 +335,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
                 return WdsTarSource(str(path))
         if is_tfrecord_name(path.name):
             return TfRecordSource(str(path))
+        if suffix == ".bin":
+            raise SourceError(f"source {path}: a raw token file? pass token_dtype (--token-dtype uint16|uint32)")
         raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
     if labels_from_dirs:
         return ImageFolderSource(path)
