@@ -1,7 +1,7 @@
 """One DDP rank for tests/datasets/test_mix_stream.py: gloo process group, a mixture of streams
 read through StreamingDataLoader with workers.
 
-argv[1] is a JSON config: urls, weights, epoch_size, cache_dir, out (result JSON path),
+argv[1] is a JSON config: urls, weights, wheres (optional, a where= per stream or null), epoch_size, cache_dir, out (result JSON path),
 batch_size, num_workers, drop_last, stop_after (steps, optional), state_in (optional path).
 The result holds the (stream, key) pairs this rank received, its steps, len(loader), and at
 ``stop_after`` the loader's state.
@@ -19,7 +19,8 @@ from shardkit import Stream, StreamingDataLoader, StreamingDataset
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     dist.init_process_group("gloo")
-    streams = [Stream(u, weight=w) for u, w in zip(cfg["urls"], cfg["weights"])]
+    wheres = cfg.get("wheres") or [None] * len(cfg["urls"])
+    streams = [Stream(u, weight=w, where=q) for u, w, q in zip(cfg["urls"], cfg["weights"], wheres)]
     ds = StreamingDataset(streams, cache_dir=cfg["cache_dir"], shuffle=True, seed=11, batch_size=cfg["batch_size"],
                           drop_last=cfg.get("drop_last", False), epoch_size=cfg.get("epoch_size"))
     loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"])

@@ -39,7 +39,8 @@ def options_of(shares: Sequence[Share], epoch_size: int | None) -> dict[str, Any
 
 def make_mix_state(dss: Sequence[Dataset], options: dict[str, Any], *, counts: Sequence[int],
                    history: Sequence[Stage], epoch: int, seed: int, shuffle: bool, shuffle_block: int,
-                   drop_last: bool, world_size: int, remaining: list[Range], consumed: int) -> dict[str, Any]:
+                   drop_last: bool, world_size: int, remaining: list[Range], consumed: int,
+                   selections: Sequence[str | None] = ()) -> dict[str, Any]:
     """The resumable position of a mixture.
 
     Args:
@@ -55,17 +56,19 @@ def make_mix_state(dss: Sequence[Dataset], options: dict[str, Any], *, counts: S
         world_size: ranks reading the epoch.
         remaining: the current mixture's M ranges not consumed before it (re)started.
         consumed: samples each rank has consumed of ``remaining``.
+        selections: per stream, the digest of its ``where``/``indices`` selection (None: all of it).
 
     Returns:
         The state dict (JSON-able).
     """
+    chosen = list(selections) or [None] * len(dss)
     return {
         "version": STATE_VERSION, "num_samples": int(sum(counts)), "epoch": epoch, "seed": seed,
         "shuffle": shuffle, "shuffle_block": shuffle_block, "drop_last": drop_last, "world_size": world_size,
         "remaining": [list(r) for r in remaining], "consumed_per_rank": int(consumed),
         "mixture": {
-            "streams": [{"dataset": ds.url, "fingerprint": ds.fingerprint, "num_samples": ds.num_samples}
-                        for ds in dss],
+            "streams": [{"dataset": ds.url, "fingerprint": ds.fingerprint, "num_samples": ds.num_samples,
+                         **({"selection": sel} if sel is not None else {})} for ds, sel in zip(dss, chosen)],
             "options": options, "counts": [int(c) for c in counts],
             "history": [{"counts": list(st.counts), "remaining": [list(r) for r in st.remaining]}
                         for st in history],
@@ -81,8 +84,8 @@ def _counts(value: Any, streams: int, what: str) -> tuple[int, ...]:
     return tuple(int(c) for c in value)
 
 
-def check_mix_state(state: Any, dss: Sequence[Dataset], *, seed: int, shuffle: bool,
-                    shuffle_block: int) -> tuple[tuple[int, ...], tuple[Stage, ...], dict[str, Any]]:
+def check_mix_state(state: Any, dss: Sequence[Dataset], *, seed: int, shuffle: bool, shuffle_block: int,
+                    selections: Sequence[str | None] = ()) -> tuple[tuple[int, ...], tuple[Stage, ...], dict[str, Any]]:
     """Refuse a state this mixture cannot resume, in one line; return what it ran.
 
     Args:
@@ -91,6 +94,7 @@ def check_mix_state(state: Any, dss: Sequence[Dataset], *, seed: int, shuffle: b
         seed: this stream's seed.
         shuffle: whether this stream shuffles.
         shuffle_block: this stream's shards per shuffle block.
+        selections: per stream, the digest of its selection (None: all of it).
 
     Returns:
         (the current mixture's counts, its earlier stages, the options it ran with).
@@ -117,6 +121,10 @@ def check_mix_state(state: Any, dss: Sequence[Dataset], *, seed: int, shuffle: b
             where = saved.get("dataset") if isinstance(saved, dict) else None
             raise ConfigError(f"state_dict: stream {i} was saved on {where!r}, other data than {ds.url}; resume "
                               "with the streams in the order they were saved")
+        want = list(selections)[i] if selections else None
+        if saved.get("selection") != want:
+            raise ConfigError(f"state_dict: stream {i} ({ds.url}) was saved with another selection (where=/indices=) "
+                              "than this one's; resume with the selection it was saved with")
     for name, value in (("seed", seed), ("shuffle", shuffle), ("shuffle_block", shuffle_block)):
         if state.get(name) != value:
             raise ConfigError(f"state_dict: {name}={state.get(name)!r} does not match this stream ({value!r})")

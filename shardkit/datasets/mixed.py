@@ -17,6 +17,7 @@ import functools
 import os
 from typing import Any, Iterator, Sequence, cast
 
+
 from shardkit.batch.builders import BatchBuilder
 from shardkit.batch.collate import collate
 from shardkit.batch.lookahead import LOOKAHEAD, Lookahead
@@ -33,6 +34,7 @@ from shardkit.read.mix_schedule import MixtureWalk, NeededSegments, mixture_sche
 from shardkit.read.mixture import MixtureOrder, Stage, changed_mixture, mixture_counts
 from shardkit.read.partition import Range, consumed_remaining, rank_ranges, worker_ranges
 from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS
+from shardkit.read.selection import select
 from shardkit.read.shard_source import ShardSource
 from shardkit.read.stream import Stream
 from shardkit.read.topology import current
@@ -130,8 +132,13 @@ class MixedStreamingDataset(StreamingDataset):
         self.url = ", ".join(ds.url for ds in self.dss)
         self.epoch_size = epoch_size
         self._shares = [s.share for s in streams]
-        self._shard_sizes = [ds.shard_sizes() for ds in self.dss]
-        self._full = tuple(mixture_counts([ds.num_samples for ds in self.dss], self._shares, epoch_size))
+        # A stream with where=/indices= is its selection: counts per shard, a map back to samples.
+        self.selections = [select(ds, where=s.where, indices=s.indices) for ds, s in zip(self.dss, streams)]
+        self._shard_sizes = [ds.shard_sizes() if sel is None else sel.counts
+                             for ds, sel in zip(self.dss, self.selections)]
+        self._selected = [None if sel is None else (sel.indices, sel.first_samples) for sel in self.selections]
+        self._full = tuple(mixture_counts([ds.num_samples if sel is None else len(sel)
+                                           for ds, sel in zip(self.dss, self.selections)], self._shares, epoch_size))
         self._counts: tuple[int, ...] = self._full
         self._history: tuple[Stage, ...] = ()
         self._write_control()
@@ -175,6 +182,10 @@ class MixedStreamingDataset(StreamingDataset):
         return (int(state["epoch"]), [(int(a), int(b)) for a, b in remaining] if remaining is not None
                 else [(0, sum(counts))], counts, history)
 
+    def _digests(self) -> list[str | None]:
+        """Per stream, the digest of its selection (None: the whole dataset)."""
+        return [None if sel is None else sel.digest for sel in getattr(self, "selections", ())] or [None] * len(self.dss)
+
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The resumable position, with the mixture it ran (see :mod:`shardkit.datasets.mix_state`).
 
@@ -189,6 +200,7 @@ class MixedStreamingDataset(StreamingDataset):
                               history=self._history, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
                               shuffle_block=self.shuffle_block, drop_last=self.drop_last,
                               world_size=topo.world_size, remaining=self._remaining_now(),
+                              selections=self._digests(),
                               consumed=self._yielded if consumed is None else consumed)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -207,7 +219,7 @@ class MixedStreamingDataset(StreamingDataset):
                 on other streams, or made with another seed, shuffle or shuffle_block.
         """
         counts, history, options = check_mix_state(state, self.dss, seed=self.seed, shuffle=self.shuffle,
-                                                    shuffle_block=self.shuffle_block)
+                                                    shuffle_block=self.shuffle_block, selections=self._digests())
         remaining = [(int(a), int(b)) for a, b in state["remaining"]]
         left = consumed_remaining(remaining, int(state["world_size"]), bool(state["drop_last"]),
                                   int(state["consumed_per_rank"]))
@@ -243,7 +255,7 @@ class MixedStreamingDataset(StreamingDataset):
         topo = current(self.rank, self.world_size, self._parent)
         epoch, remaining, counts, history = self._read_mix()
         order = MixtureOrder(self._shard_sizes, counts, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                             block_shards=self.shuffle_block, history=history)
+                             block_shards=self.shuffle_block, history=history, selected=self._selected)
         ranges = worker_ranges(rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last),
                                topo.worker, topo.num_workers, self.chunk)
         in_worker = not in_main_process()

@@ -125,6 +125,9 @@ class MixtureOrder:
         block_shards: shards per shuffle block.
         history: earlier mixtures of this epoch (oldest first): their consumed samples are
             left out of this one.
+        selected: per stream, None or, for a stream that is a subset of its dataset, (the
+            selected global indices ascending, each shard's first global index); its
+            ``shard_sizes`` are then the selected counts per shard.
 
     Raises:
         ConfigError: a bad argument, or a count larger than a stream can give (more than its
@@ -133,7 +136,7 @@ class MixtureOrder:
 
     def __init__(self, shard_sizes: Sequence[ArrayLike], counts: Sequence[int], *, epoch: int = 0, seed: int = 0,
                  shuffle: bool = True, block_shards: int = DEFAULT_BLOCK_SHARDS,
-                 history: Sequence[Stage] = ()) -> None:
+                 history: Sequence[Stage] = (), selected: Sequence[tuple[IntArray, IntArray] | None] = ()) -> None:
         if len(shard_sizes) != len(counts) or not counts:
             raise ConfigError("MixtureOrder: one count per stream, at least one stream")
         self.epoch = int_arg("epoch", epoch, 0, 2**32 - 1)
@@ -144,6 +147,9 @@ class MixtureOrder:
         self.sizes = [int(o[-1]) for o in self.offsets]
         self.counts = [int_arg("count", c, 0) for c in counts]
         self.history = tuple(history)
+        # Per stream, (its selected global indices, each shard's first global index) when it is
+        # a subset: its samples are then the selection's, and shard_of maps them back.
+        self.selected = tuple(selected) or (None,) * len(self.shard_sizes)
         self._orders: dict[tuple[int, int], EpochOrder] = {}
         self._pools: list[IntArray] | None = None
         if self.history:
@@ -265,14 +271,18 @@ class MixtureOrder:
 
         Args:
             stream: the stream.
-            samples: its global sample indices.
+            samples: its sample indices (positions in its selection, when it has one).
 
         Returns:
-            Two int64 arrays.
+            Two int64 arrays: each sample's shard and its real position in that shard.
         """
         offsets = self.offsets[stream]
         shard = np.searchsorted(offsets, samples, side="right").astype(np.int64) - 1
-        return shard, samples - offsets[shard]
+        chosen = self.selected[stream]
+        if chosen is None:
+            return shard, samples - offsets[shard]
+        indices, first = chosen
+        return shard, np.asarray(indices[samples], np.int64) - first[shard]
 
     def seen_before(self) -> list[NDArray[np.bool_]]:
         """Per stream, which samples the ``history`` stages consumed.

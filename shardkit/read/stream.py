@@ -2,8 +2,8 @@
 
 A Stream only names its data and its share (see :mod:`shardkit.read.mixture` for what
 ``weight``, ``repeat`` and ``choose`` mean); ``StreamingDataset([Stream(...), ...])`` opens and
-reads it. It is the place where a per-stream selection (a ``where=`` view of the dataset) fits
-later: the mixture sees only each stream's sample counts and a map back to real samples.
+reads it. A stream may be a subset of its dataset (``where=`` or ``indices=``, as for one
+dataset: :mod:`shardkit.read.selection`): the mixture then sees the selected samples only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class Stream:
             seeded subset for the fraction).
         choose: samples per epoch (a seeded subset, or copies and a subset).
         storage_options: fsspec/s3fs options for this URL (default: the dataset's).
+        where: only the samples this SQL condition over the dataset's manifest columns selects
+            (``"label < 500"``; needs ``shardkit[query]``), as ``StreamingDataset(where=)``;
+            ``weight``/``repeat``/``choose`` then apply to the selected samples.
+        indices: only these global sample indices; not with ``where``.
 
     Raises:
         ConfigError: ``url`` is no string or path, more than one of weight/repeat/choose is set,
@@ -34,12 +38,16 @@ class Stream:
     """
 
     def __init__(self, url: str | os.PathLike[str], weight: float | None = None, repeat: float | None = None,
-                 choose: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
+                 choose: int | None = None, storage_options: dict[str, Any] | None = None, *,
+                 where: str | None = None, indices: Any = None) -> None:
         if not isinstance(url, (str, os.PathLike)):
             raise ConfigError(f"Stream: url must be a string or path, got {type(url).__name__}")
+        if where is not None and not isinstance(where, str):
+            raise ConfigError(f"Stream: where must be an SQL condition (a string), got {type(where).__name__}")
         self.url = os.fspath(url)
         self.share = Share(weight=weight, repeat=repeat, choose=choose)
         self.storage_options = storage_options
+        self.where, self.indices = where, indices
 
     @property
     def weight(self) -> float | None:
@@ -57,6 +65,6 @@ class Stream:
         return self.share.choose
 
     def __repr__(self) -> str:
-        opts = "".join(f", {k}={getattr(self, k)!r}" for k in ("weight", "repeat", "choose")
+        opts = "".join(f", {k}={getattr(self, k)!r}" for k in ("weight", "repeat", "choose", "where")
                        if getattr(self, k) is not None)
         return f"Stream({self.url!r}{opts})"

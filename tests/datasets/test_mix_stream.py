@@ -191,7 +191,7 @@ def run_ranks(tmp: Path, world: int, timeout: float = 120, **cfg: Any) -> list[d
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_two_workers_stop_and_resume_with_three_ranks(s3_env: Any, s3_bucket: str,
+def test_ddp_two_ranks_two_workers_over_three_streams_one_by_query_stop_and_resume_with_three_ranks(s3_env: Any, s3_bucket: str,
                                                                      tmp_path: Path) -> None:
     urls, bodies = [], []
     for i, n in enumerate(SIZES):
@@ -201,9 +201,12 @@ def test_ddp_two_ranks_two_workers_stop_and_resume_with_three_ranks(s3_env: Any,
         shardkit.pack(iter(data), urls[-1], shard_bytes="8KB", progress=False)
         bodies.append({d["__key__"]: d["bin"] for d in data})
     weights = [0.5, 0.3, 0.2]
+    # Stream 0 is a subset by query: its first 80 keys of 120 (a where= on the manifest).
+    picked = 80
+    wheres = [f"key < 'm0-{picked:04d}'", None, None]
     # 212 samples: 2 ranks x 5 steps x 8 consume 80, and the 132 left split evenly over 3 ranks.
-    cfg = {"urls": urls, "weights": weights, "epoch_size": 212, "cache_dir": str(tmp_path / "cache"),
-           "batch_size": 8, "num_workers": 2}
+    cfg = {"urls": urls, "weights": weights, "wheres": wheres, "epoch_size": 212,
+           "cache_dir": str(tmp_path / "cache"), "batch_size": 8, "num_workers": 2}
     first = run_ranks(tmp_path, 2, stop_after=5, **cfg)
     assert [r["steps"] for r in first] == [5, 5]
     state = tmp_path / "state.json"
@@ -212,11 +215,46 @@ def test_ddp_two_ranks_two_workers_stop_and_resume_with_three_ranks(s3_env: Any,
     assert len({len(r["pairs"]) for r in second}) == 1 and sum(len(r["pairs"]) for r in second) == 132
     got = Counter((s, k) for r in first + second for s, k in r["pairs"])
     dss = [shardkit.open_dataset(u) for u in urls]
-    counts = mixture_counts([d.num_samples for d in dss], [Share(weight=w) for w in weights], 212)
-    m = MixtureOrder([d.shard_sizes() for d in dss], counts, epoch=0, seed=11)
+    sizes = [d.shard_sizes() for d in dss]
+    # The selection is a prefix of stream 0's samples (packed in key order): per shard, the
+    # samples of that prefix; the mixture's positions in it are positions among its keys.
+    sizes[0] = np.diff(np.minimum(np.concatenate(([0], np.cumsum(sizes[0]))), picked))
+    counts = mixture_counts([picked, *(d.num_samples for d in dss[1:])], [Share(weight=w) for w in weights], 212)
+    m = MixtureOrder(sizes, counts, epoch=0, seed=11)
     s, x = m.take(np.arange(len(m)))
     keys = [sorted(b) for b in bodies]
+    keys[0] = keys[0][:picked]
     assert got == Counter((a, keys[a][b]) for a, b in zip(s.tolist(), x.tolist()))  # nothing lost or repeated
     # One node cache for the three datasets: a namespace each, every shard fetched by the node once.
     assert len([d for d in os.listdir(tmp_path / "cache") if not d.startswith(".")]) == 3
     assert sum(r["stats"]["misses"] + r["stats"]["prefetched"] for r in first) <= sum(d.num_shards for d in dss)
+
+
+def test_a_stream_may_be_a_subset_by_where_or_indices_and_resumes_exactly(three, tmp_path: Path) -> None:
+    keys0 = sorted(three[0][1])
+    cut = keys0[len(keys0) // 3]
+    chosen = [k for k in keys0 if k < cut]
+    assert 0 < len(chosen) < len(keys0)
+    keys1 = sorted(three[1][1])
+    picks = list(range(0, 60, 3))
+
+    def streams(where: str = f"key < '{cut}'") -> list[Stream]:
+        return [Stream(three[0][0], where=where), Stream(three[1][0], indices=picks)]
+
+    want = Counter([(0, k) for k in chosen] + [(1, keys1[i]) for i in picks])
+    ds = StreamingDataset(streams(), cache_dir=tmp_path / "cache", shuffle=True, seed=3)
+    assert ds.counts == (len(chosen), len(picks))  # no weights: each stream once per epoch
+    got = list(ds)
+    assert Counter(pairs(got)) == want
+    assert all(s["bin"] == three[s["__stream__"]][1][s["__key__"]] for s in got)
+    # Stop after 10 samples, resume in a new stream: the rest, nothing repeated.
+    it = iter(ds)
+    first = [next(it) for _ in range(10)]
+    state = ds.state_dict()
+    it.close()
+    again = StreamingDataset(streams(), cache_dir=tmp_path / "cache", shuffle=True, seed=3)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    assert Counter(pairs(first)) + Counter(pairs(again)) == want
+    other = StreamingDataset(streams(f"key <= '{cut}'"), cache_dir=tmp_path / "cache", shuffle=True, seed=3)
+    with pytest.raises(ConfigError, match="stream 0 .* another selection"):
+        other.load_state_dict(state)
