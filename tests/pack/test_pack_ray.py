@@ -223,6 +223,10 @@ def hwm():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 import boto3, h5py, numpy, pyarrow, pyarrow.parquet, s3fs, xxhash, shardkit.packing.pack, shardkit.packing.sources.hdf5
+try:  # pyarrow imports pandas on its first conversion when it is installed (ray[data] and datasets bring it)
+    import pandas
+except ImportError:
+    pass
 base = hwm()
 info = shardkit.packing.pack.pack(sys.argv[1], sys.argv[2], shard_bytes="400MB", engine="local", progress=False)
 print(json.dumps({"baseline": base, "peak": hwm(), "samples": info["num_samples"], "bytes": info["total_bytes"]}))
@@ -236,7 +240,7 @@ def test_pack_300mb_samples_bounded_memory(tmp_path, s3_server, s3_bucket):
     The bound: the HDF5 reader streams 8 MiB slabs (one reused buffer + the bytes object it
     yields, ~16 MiB), h5py's chunk cache is 32 MiB, the writer holds up to three 16 MiB part
     buffers (filling, uploading, the reused spare), the boto3 client's service model ~20 MB
-    (boto3 itself is imported in the baseline, like s3fs), and interpreter/allocator slack:
+    (boto3 itself is imported in the baseline, like s3fs and pandas), and interpreter/allocator slack:
     ~130 MB measured here. A 300 MB sample held whole anywhere would blow through it.
     """
     h5py = pytest.importorskip("h5py")
