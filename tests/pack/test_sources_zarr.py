@@ -304,8 +304,9 @@ def test_group_in_s3_packs_identical_to_local(tmp_path, s3_server, s3_bucket, ro
     if rows is None:  # a URL not named *.zarr is found by its zarr.json
         fs.put(str(store / "zarr.json"), f"{s3_bucket[5:]}/plain/zarr.json")
         assert isinstance(resolve_source(f"{s3_bucket}/plain", storage_options=opts), ZarrSource)
-        with pytest.raises(SourceError, match="only WebDataset tars"):
-            resolve_source(f"{s3_bucket}/data", storage_options=opts)
+        # A prefix with no zarr.json (nor anything else) is no Zarr store: nothing to pack there.
+        with pytest.raises(SourceNotFoundError, match="nothing|no objects|does not exist"):
+            resolve_source(f"{s3_bucket}/empty-prefix", storage_options=opts)
 
 
 @pytest.mark.s3
