@@ -17,7 +17,7 @@ import numpy as np
 from shardkit.errors import SourceError
 from shardkit.packing.sample import FieldValue, StreamedField, check_field_name
 from shardkit.packing.sources.hdf5_read import array_layout, dataset_chunks, open_h5, read_into, streaming_dataset
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy import CHUNK_BYTES, NpyRows
 from shardkit.util.lru import LRU
 
 __all__ = ["OpenRows", "RowColumn", "RowFile", "row_field"]
@@ -31,7 +31,7 @@ _BLOCK_BYTES = 1 << 20
 _MAX_OPEN_FILES = 4
 
 
-class RowColumn:
+class RowColumn(NpyRows):
     """One dataset of an open rows-mode file, looked up once: its field, the ``.npy`` header
     every row shares (a row's shape and dtype are fixed), and the block of rows read last.
 
@@ -53,21 +53,11 @@ class RowColumn:
         if not shape:
             raise SourceError(f"{self.ref}: scalar dataset has no rows")
         self.field = row_field(name, self.ref)
-        self.n_rows = shape[0]
-        self.header = npy_header(dtype, shape[1:])
-        self.row_nbytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        self.size = len(self.header) + self.row_nbytes
+        chunk_rows = dset.chunks[0] if dset.chunks else None
+        super().__init__(dtype, shape, chunk_rows, _BLOCK_BYTES)
         # A row over CHUNK_BYTES streams through its own open (see dataset_chunks); holding
         # the dataset here would make that open share this one's bigger chunk cache.
         self.dset: Any = dset if self.size <= CHUNK_BYTES and self.row_nbytes else None
-        self.dtype, self.row_shape = dtype, shape[1:]
-        rows = max(1, _BLOCK_BYTES // max(1, self.row_nbytes))
-        chunk_rows = dset.chunks[0] if dset.chunks else None
-        if chunk_rows is not None and chunk_rows <= rows:
-            rows -= rows % chunk_rows  # whole chunks: each is decompressed by one read only
-        self.block_rows = rows
-        self.start = self.stop = 0
-        self.block = memoryview(b"")
 
     def value(self, row: int) -> FieldValue:
         """The .npy body of ``row``.
@@ -84,14 +74,9 @@ class RowColumn:
         if self.size > CHUNK_BYTES:
             return StreamedField(size=self.size, chunks=functools.partial(
                 dataset_chunks, self.path, "/" + self.name, (row,), self.storage_options))
-        if self.dset is None:  # rows of zero elements are their header alone
-            return self.header
-        if not self.start <= row < self.stop:
-            self._read_block(row)
-        at = (row - self.start) * self.row_nbytes
-        return self.header + self.block[at:at + self.row_nbytes]
+        return self.row_body(row)
 
-    def _read_block(self, row: int) -> None:
+    def _read(self, row: int) -> None:
         start = row - row % self.block_rows  # aligned, so blocks start on chunk boundaries
         stop = min(start + self.block_rows, self.n_rows)
         buf = np.empty((stop - start,) + self.row_shape, dtype=self.dtype)

@@ -24,8 +24,8 @@ import numpy as np
 
 from shardkit.errors import SourceError
 from shardkit.packing.sample import FieldValue, PackSample, check_field_name, safe_key
-from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.base import ListingSkips, SourceItem, check_unique_keys, item_bytes
+from shardkit.packing.sources.npy import CHUNK_BYTES, NpyRows
 from shardkit.packing.sources.zarr_read import (array_layout, array_npy, is_local, local_path, meta_attrs, npy_size,
                                                 open_node, read_block, store_name)
 
@@ -41,38 +41,22 @@ _BLOCK_BYTES = 1 << 20
 _MAX_CHUNK_BLOCK = 64 << 20
 
 
-class _Column:
+class _Column(NpyRows):
     """One rows-mode array of an open store: its field, the ``.npy`` header its rows share and
     the block of rows read last."""
 
     def __init__(self, arr: Any, ref: str) -> None:
         self.arr, self.ref = arr, ref
-        self.dtype, shape = array_layout(arr, ref)
-        self.n_rows, self.row_shape = shape[0], shape[1:]
-        self.header = npy_header(self.dtype, self.row_shape)
-        self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.size = len(self.header) + self.row_nbytes
-        rows = max(1, _BLOCK_BYTES // max(1, self.row_nbytes))
-        chunk_rows = int(arr.chunks[0])
-        if chunk_rows <= rows:
-            rows -= rows % chunk_rows
-        elif chunk_rows * self.row_nbytes <= _MAX_CHUNK_BLOCK:
-            rows = chunk_rows
-        self.block_rows, self.chunk_rows = rows, chunk_rows
-        self.start = self.stop = 0
-        self.block = memoryview(b"")
+        dtype, shape = array_layout(arr, ref)
+        super().__init__(dtype, shape, int(arr.chunks[0]), _BLOCK_BYTES, _MAX_CHUNK_BLOCK)
+        self.chunk_rows = int(arr.chunks[0])
         self.bad = (0, 0)  # a block that failed to read: its rows are read chunk by chunk
 
     def value(self, row: int, url: str, storage_options: dict[str, Any] | None, name: str) -> FieldValue:
         """The .npy body of ``row``: from the block read last, else after reading its block."""
         if self.size > CHUNK_BYTES:
             return array_npy(self.arr, url, storage_options, name, (row,), self.ref)
-        if not self.row_nbytes:
-            return self.header
-        if not self.start <= row < self.stop:
-            self._read(row)
-        at = (row - self.start) * self.row_nbytes
-        return self.header + self.block[at:at + self.row_nbytes]
+        return self.row_body(row)
 
     def _read(self, row: int) -> None:
         """Read the block holding ``row``; if it fails, only the chunk holding it, so one bad
@@ -182,11 +166,7 @@ class ZarrSource:
         items = self._list_arrays(members, root_array) if self.mode == "arrays" else self._list_rows(members)
         if not items:
             raise SourceError(f"{self.url}: no arrays to pack")
-        seen: dict[str, str] = {}
-        for it in items:
-            if it.key in seen:
-                raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}")
-            seen[it.key] = it.ref
+        check_unique_keys(items)
         return items
 
     def _ref(self, name: str) -> str:
