@@ -24,8 +24,9 @@ from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import SourceItem, check_unique_keys, item_bytes
 from shardkit.packing.sources.hdf5_read import array_field, array_layout, get_dataset, meta_attrs, open_h5
-from shardkit.packing.sources.hdf5_rows import OpenRows, row_field
+from shardkit.packing.sources.hdf5_rows import OpenRows
 from shardkit.packing.sources.npy import npy_header
+from shardkit.packing.sources.npy_rows import row_field
 from shardkit.packing.sources.objects import is_url
 from shardkit.packing.sources.optional import require
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, StreamedField
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header, npy_slabs
+from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy_rows import npy_slabs
 from shardkit.packing.sources.objects import Objects, is_url
 from shardkit.packing.sources.optional import require
 

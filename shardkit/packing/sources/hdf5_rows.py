@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import FieldValue, StreamedField, check_field_name
+from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.hdf5_read import array_layout, dataset_chunks, open_h5, read_into, streaming_dataset
-from shardkit.packing.sources.npy import CHUNK_BYTES, NpyRows
+from shardkit.packing.sources.npy import CHUNK_BYTES
+from shardkit.packing.sources.npy_rows import NpyRows, row_field
 from shardkit.util.lru import LRU
 
-__all__ = ["OpenRows", "RowColumn", "RowFile", "row_field"]
+__all__ = ["OpenRows", "RowColumn", "RowFile"]
 
 # Rows mode reads this many bytes of consecutive rows at once: rows packed in order are read in
 # order, and one HDF5 read per row costs far more than a small row's bytes (see
@@ -185,24 +186,3 @@ class OpenRows:
             rf = self.files.pop(path)
             if rf is not None:
                 rf.close()
-
-
-def row_field(name: str, ref: str) -> str:
-    """The field a rows-mode dataset's rows are packed as: its base name plus ``.npy``.
-
-    Args:
-        name: the dataset's path in the file.
-        ref: the dataset, for the error.
-
-    Returns:
-        The field name (``img.npy`` for ``grp/img``).
-
-    Raises:
-        SourceError: the name makes no valid field name.
-    """
-    field = name.rsplit("/", 1)[-1] + ".npy"
-    try:
-        check_field_name(field)
-    except SourceError as exc:
-        raise SourceError(f"{ref}: {exc}") from None
-    return field

@@ -23,9 +23,10 @@ from typing import Any, Literal
 import numpy as np
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import FieldValue, PackSample, check_field_name, safe_key
+from shardkit.packing.sample import FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, check_unique_keys, item_bytes
-from shardkit.packing.sources.npy import CHUNK_BYTES, NpyRows
+from shardkit.packing.sources.npy import CHUNK_BYTES
+from shardkit.packing.sources.npy_rows import NpyRows, row_field
 from shardkit.packing.sources.zarr_read import (array_layout, array_npy, is_local, local_path, meta_attrs, npy_size,
                                                 open_node, read_block, store_name)
 
@@ -206,7 +207,7 @@ class ZarrSource:
                 raise SourceError(f"{ref}: has {shape[0]} rows but {self._ref(self.arrays[0])} has {length}; "
                                   "rows mode needs arrays of equal length along axis 0")
             length = shape[0]
-            field = _row_field(name, ref)
+            field = row_field(name, ref)
             if field in (f for f, _ in fields):
                 raise SourceError(f"{ref}: two arrays would both be field {field!r}")
             fields.append((field, npy_size(dtype, shape[1:])))
@@ -270,7 +271,7 @@ class ZarrSource:
             if row >= col.n_rows:
                 raise SourceError(f"{col.ref}: row {row} out of range ({col.n_rows} rows)")
             inner = "" if not hasattr(opened.node, "members") else name
-            fields[_row_field(name, col.ref)] = col.value(row, self.url, self.storage_options, inner)
+            fields[row_field(name, col.ref)] = col.value(row, self.url, self.storage_options, inner)
         return PackSample(key=item.key, fields=fields, meta={"source": f"{self.name}::{row}"})
 
     def describe(self) -> dict[str, Any]:
@@ -289,16 +290,6 @@ class ZarrSource:
             None.
         """
         return None
-
-
-def _row_field(name: str, ref: str) -> str:
-    """The field a rows-mode array's rows are packed as: its base name plus ``.npy``."""
-    field = name.rsplit("/", 1)[-1] + ".npy"
-    try:
-        check_field_name(field)
-    except SourceError as exc:
-        raise SourceError(f"{ref}: {exc}") from None
-    return field
 
 
 def _some(names: list[str], limit: int = 5) -> str:

@@ -17,7 +17,8 @@ import numpy as np
 
 from shardkit.errors import SourceError, SourceNotFoundError, StorageError
 from shardkit.packing.sample import FieldValue, StreamedField
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header, npy_slabs
+from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy_rows import npy_slabs
 from shardkit.packing.sources.optional import require
 
 __all__ = ["array_layout", "array_npy", "is_local", "local_path", "meta_attrs", "npy_size", "open_node",
