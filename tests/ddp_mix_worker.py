@@ -7,39 +7,29 @@ The result holds the (stream, key) pairs this rank received, its steps, len(load
 ``stop_after`` the loader's state.
 """
 
-import json
-import sys
-
-import torch
 import torch.distributed as dist
 
+from ddp_common import finish, resume, run_steps, start
 from shardkit import Stream, StreamingDataLoader, StreamingDataset
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
+    cfg = start()
     wheres = cfg.get("wheres") or [None] * len(cfg["urls"])
     streams = [Stream(u, weight=w, where=q) for u, w, q in zip(cfg["urls"], cfg["weights"], wheres)]
     ds = StreamingDataset(streams, cache_dir=cfg["cache_dir"], shuffle=True, seed=11, batch_size=cfg["batch_size"],
                           drop_last=cfg.get("drop_last", False), epoch_size=cfg.get("epoch_size"))
     loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"])
-    if cfg.get("state_in"):
-        with open(cfg["state_in"]) as f:
-            loader.load_state_dict(json.load(f))
+    resume(loader, cfg)
     out = {"rank": dist.get_rank(), "len": len(loader), "pairs": [], "steps": 0}
-    for batch in loader:
+
+    def take(batch: dict) -> None:
         out["pairs"] += [[s, k] for s, k in zip(batch["__stream__"].tolist(), batch["__key__"])]
-        out["steps"] += 1
-        dist.all_reduce(torch.ones(1))  # as DDP's backward does: every rank's step waits for the others
-        if cfg.get("stop_after") and out["steps"] == cfg["stop_after"]:
-            out["state"] = loader.state_dict()
-            break
+
+    run_steps(loader, cfg, out, take)
     dist.barrier()
     out["stats"] = ds.stats()
-    with open(cfg["out"], "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    finish(cfg, out)
 
 
 if __name__ == "__main__":

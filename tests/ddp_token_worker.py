@@ -7,36 +7,27 @@ windows this rank received (as token lists), its steps, len(loader), and at ``st
 loader's state.
 """
 
-import json
-import sys
-
 import torch
 import torch.distributed as dist
 
+from ddp_common import finish, resume, run_steps, start
 from shardkit import Stream, StreamingDataLoader, TokenStream
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
+    cfg = start()
     ts = TokenStream([Stream(u) for u in cfg["urls"]], block_size=cfg["block_size"], cache_dir=cfg["cache_dir"],
                      shuffle=True, seed=5, eos_token=0)
     loader = StreamingDataLoader(ts, batch_size=cfg["batch_size"], num_workers=cfg["num_workers"])
-    if cfg.get("state_in"):
-        with open(cfg["state_in"]) as f:
-            loader.load_state_dict(json.load(f))
+    resume(loader, cfg)
     out = {"rank": dist.get_rank(), "len": len(loader), "windows": [], "steps": 0}
-    for batch in loader:
+
+    def take(batch: torch.Tensor) -> None:
         out["windows"] += batch.tolist()
-        out["steps"] += 1
-        dist.all_reduce(torch.ones(1))  # as DDP's backward does: every rank's step waits for the others
-        if cfg.get("stop_after") and out["steps"] == cfg["stop_after"]:
-            out["state"] = loader.state_dict()
-            break
+
+    run_steps(loader, cfg, out, take)
     dist.barrier()
-    with open(cfg["out"], "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    finish(cfg, out)
 
 
 if __name__ == "__main__":

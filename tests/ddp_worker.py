@@ -6,27 +6,22 @@ decode ("crop": CenterCrop of the jpg field, optional), all_reduce (one per step
 backward does, optional).
 """
 
-import json
-import sys
-
 import torch
 import torch.distributed as dist
 
+from ddp_common import finish, resume, start
 from shardkit import CenterCrop, StreamingDataLoader, StreamingDataset
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    dist.init_process_group("gloo")
+    cfg = start()
     ds = StreamingDataset(cfg["url"], cache_dir=cfg["cache_dir"], cache_limit=cfg.get("cache_limit", "10GB"),
                           shuffle=cfg.get("shuffle", True), seed=11, batch_size=cfg["batch_size"],
                           shuffle_block=cfg.get("shuffle_block", 4),
                           decode=CenterCrop(32, as_field="jpg") if cfg.get("decode") == "crop" else None)
     loader = StreamingDataLoader(ds, num_workers=cfg["num_workers"], persistent_workers=cfg["num_workers"] > 0)
     out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "epochs": [], "len": len(loader)}
-    if cfg.get("state_in"):
-        with open(cfg["state_in"]) as f:
-            loader.load_state_dict(json.load(f))
+    resume(loader, cfg)
     for epoch in range(cfg.get("first_epoch", 0), cfg.get("first_epoch", 0) + cfg["epochs"]):
         ds.set_epoch(epoch)
         keys, steps = [], 0
@@ -41,9 +36,7 @@ def main() -> None:
         out["epochs"].append({"keys": keys, "steps": steps})
         dist.barrier()
     out["stats"] = ds.stats()
-    with open(cfg["out"], "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    finish(cfg, out)
 
 
 if __name__ == "__main__":

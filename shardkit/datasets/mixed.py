@@ -37,7 +37,7 @@ from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS
 from shardkit.read.selection import select
 from shardkit.read.shard_source import ShardSource
 from shardkit.read.stream import Stream
-from shardkit.read.topology import current
+from shardkit.read.topology import Topology, current
 
 __all__ = ["MixedStreamingDataset", "as_streams"]
 
@@ -186,6 +186,16 @@ class MixedStreamingDataset(StreamingDataset):
         """Per stream, the digest of its selection (None: the whole dataset)."""
         return [None if sel is None else sel.digest for sel in getattr(self, "selections", ())] or [None] * len(self.dss)
 
+    def _epoch_ranges(self) -> tuple[Topology, MixtureOrder, list[Range]]:
+        """This reader's topology, the epoch's mixture order and the positions of it this reader reads."""
+        topo = current(self.rank, self.world_size, self._parent)
+        epoch, remaining, counts, history = self._read_mix()
+        order = MixtureOrder(self._shard_sizes, counts, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                             block_shards=self.shuffle_block, history=history, selected=self._selected)
+        ranges = worker_ranges(rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last),
+                               topo.worker, topo.num_workers, self.chunk)
+        return topo, order, ranges
+
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The resumable position, with the mixture it ran (see :mod:`shardkit.datasets.mix_state`).
 
@@ -252,12 +262,7 @@ class MixedStreamingDataset(StreamingDataset):
             IntegrityError: a shard or sample fails its checksum even after a fresh fetch.
             StorageError: reading from storage failed.
         """
-        topo = current(self.rank, self.world_size, self._parent)
-        epoch, remaining, counts, history = self._read_mix()
-        order = MixtureOrder(self._shard_sizes, counts, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                             block_shards=self.shuffle_block, history=history, selected=self._selected)
-        ranges = worker_ranges(rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last),
-                               topo.worker, topo.num_workers, self.chunk)
+        topo, order, ranges = self._epoch_ranges()
         in_worker = not in_main_process()
         in_main = topo.num_workers == 1 and not in_worker
         if in_main:

@@ -36,12 +36,10 @@ from shardkit.datasets.token_reads import read_documents
 from shardkit.datasets.tensors import in_main_process
 from shardkit.errors import ConfigError, ManifestError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
-from shardkit.read.mixture import MixtureOrder, mixture_counts, positions_of
-from shardkit.read.partition import rank_ranges, worker_ranges
+from shardkit.read.mixture import mixture_counts, positions_of
 from shardkit.read.shard_source import ShardSource
 from shardkit.read.stream import Stream
 from shardkit.read.token_windows import TokenWindows, token_counts
-from shardkit.read.topology import current
 
 __all__ = ["TOKEN_FIELD", "TokenStream"]
 
@@ -177,12 +175,7 @@ class TokenStream(MixedStreamingDataset):
         """
         import torch
 
-        topo = current(self.rank, self.world_size, self._parent)
-        epoch, remaining, counts, history = self._read_mix()
-        order = MixtureOrder(self._shard_sizes, counts, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                             block_shards=self.shuffle_block, history=history)
-        ranges = worker_ranges(rank_ranges(remaining, topo.rank, topo.world_size, self.drop_last),
-                               topo.worker, topo.num_workers, self.chunk)
+        topo, order, ranges = self._epoch_ranges()
         in_main = topo.num_workers == 1 and in_main_process()
         if in_main:
             self._yielded = 0

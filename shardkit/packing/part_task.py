@@ -15,13 +15,13 @@ import logging
 from dataclasses import asdict
 from typing import Callable, Iterable
 
-from shardkit.errors import ShardkitError, SourceError
+from shardkit.errors import SourceError
 from shardkit.format.fragments import FragmentBuilder
 from shardkit.format.manifest import fragment_name, parquet_file
 from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.packing.manifest_writer import put_fragment
 from shardkit.packing.sample import PackSample
-from shardkit.packing.task import TASK_META, PackOptions, TaskResult
+from shardkit.packing.task import TASK_META, PackOptions, TaskResult, shards_intact
 from shardkit.packing.writer import ShardWriter
 from shardkit.storage.store import Store
 
@@ -132,11 +132,7 @@ def completed_part(store: Store, part: int, plan_id: str) -> TaskResult | None:
     if summary.get("plan_id") != plan_id or summary.get("task") != part:
         return None
     records = [ShardRecord(**r) for r in summary["shards"]]
-    for r in records:
-        try:
-            if store.size(r.path) != r.bytes:
-                return None
-        except ShardkitError:
-            return None
+    if not shards_intact(store, records):
+        return None
     return TaskResult(part, fragment_name(part), records, [], summary["skipped"], summary["fields"],
                       sum(r.num_samples for r in records), sum(r.bytes for r in records), reused=True)

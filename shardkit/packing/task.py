@@ -24,7 +24,7 @@ from shardkit.packing.tar_shard import TarShard
 from shardkit.packing.upload import Uploader
 from shardkit.storage.store import Store
 
-__all__ = ["TASK_META", "PackOptions", "TaskResult", "Transform", "completed_task", "run_task"]
+__all__ = ["TASK_META", "PackOptions", "TaskResult", "Transform", "completed_task", "run_task", "shards_intact"]
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +224,8 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
     records = [ShardRecord(**r) for r in summary["shards"]]
     if [r.shard for r in records] != [s.shard for s in plan.shards]:
         return None
-    for r in records:
-        try:
-            if store.size(r.path) != r.bytes:
-                return None
-        except ShardkitError:
-            return None
+    if not shards_intact(store, records):
+        return None
     groups: dict[int, int] = {}
     for g in range(md.num_row_groups):
         stats = md.row_group(g).column(1).statistics
@@ -237,3 +233,25 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
             groups[int(stats.min)] = g
     return TaskResult(plan.task, frag, records, [groups.get(r.shard, -1) for r in records], summary["skipped"],
                       summary["fields"], sum(r.num_samples for r in records), sum(r.bytes for r in records), reused=True)
+
+
+def shards_intact(store: Store, records: Sequence[ShardRecord]) -> bool:
+    """Whether every shard an earlier run recorded is in ``store`` at its recorded size.
+
+    A finished task or part is reused only then; a shard missing or cut short is redone.
+
+    Args:
+        store: the destination.
+        records: the shards an earlier run's fragment names.
+
+    Returns:
+        True when each shard exists with its recorded byte count; False otherwise (a storage
+        error counts as not intact).
+    """
+    for r in records:
+        try:
+            if store.size(r.path) != r.bytes:
+                return False
+        except ShardkitError:
+            return False
+    return True

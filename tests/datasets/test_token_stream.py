@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from shardkit import Stream, StreamingDataLoader, TokenStream
 from shardkit.errors import ConfigError
 from shardkit.read.mixture import Share, mixture_counts
 from randomds import pack_random
+from rank_procs import run_ranks as launch
 
 BASE_B = 1_000_000  # dataset B's token ids start here, so a window says which dataset it is from
 
@@ -304,34 +302,12 @@ def test_from_s3_through_one_node_cache(s3_env, s3_bucket, docs_a, tmp_path):
 
 
 WORKER = Path(__file__).resolve().parents[1] / "ddp_token_worker.py"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(tmp: Path, world: int, timeout: float = 180, **cfg: Any) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp / f"tok-{world}-{rank}-{port}.json"
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps({**cfg, "out": str(out)})], env=env))
-        outs.append(out)
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            assert p.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [json.loads(o.read_text()) for o in outs]
+    tag = uuid.uuid4().hex[:8]
+    return launch(WORKER, [{**cfg, "out": str(tmp / f"tok-{world}-{rank}-{tag}.json")} for rank in range(world)],
+                  timeout=timeout)
 
 
 @pytest.mark.slow

@@ -68,31 +68,11 @@ def make_sources(root: Path) -> Path:
     return root
 
 
-def _example(features: dict[str, bytes | int]) -> bytes:
-    """A serialized tf.train.Example of single bytes and int64 values (the wire format by hand)."""
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-            n >>= 7
-            if not n:
-                return bytes(out)
-
-    def ld(number: int, body: bytes) -> bytes:
-        return varint(number << 3 | 2) + varint(len(body)) + body
-
-    entries = b""
-    for name, value in features.items():
-        feature = ld(1, ld(1, value)) if isinstance(value, bytes) else ld(3, ld(1, varint(value)))
-        entries += ld(1, ld(1, name.encode()) + ld(2, feature))
-    return ld(1, entries)
-
-
 def _tfrecord(path: Path, jpgs: list[Path]) -> None:
-    from shardkit.packing.sources.tfrecord_frame import frame
+    from tfrecords import encode_example, write_tfrecord
 
-    path.write_bytes(b"".join(frame(_example({"image/encoded": p.read_bytes(), "image/format": b"jpeg", "label": i % 2}))
-                              for i, p in enumerate(jpgs)))
+    write_tfrecord(path, [encode_example({"image/encoded": [p.read_bytes()], "image/format": [b"jpeg"],
+                                          "label": [i % 2]}, packed=True) for i, p in enumerate(jpgs)])
 
 
 def _pack(source: str, **options: Any) -> Callable[[Path, str], None]:

@@ -1,7 +1,7 @@
 """TfRecordSource, the TFRecord framing and the tf.train.Example decoder.
 
-TFRecords are written here by a small writer of our own (:func:`encode_example`, unpacked
-repeated fields, and :func:`frame`), which is checked against facts from outside shardkit:
+TFRecords are written by a small writer of our own in tests/tfrecords.py (``encode_example``, unpacked
+repeated fields, and ``frame``), which is checked against facts from outside shardkit:
 the CRC-32C check values of RFC 3720 and the protobuf library's own parser of the Example
 schema (built from its descriptor, no TensorFlow needed).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -25,53 +24,9 @@ from shardkit.packing.sources.resolve import resolve_source
 from shardkit.packing.sources.tf_example import parse_example
 from shardkit.packing.sources.tfrecord import TfRecordSource, is_tfrecord_name
 from shardkit.packing.sources.tfrecord_frame import crc32c, frame, masked_crc
+from tfrecords import encode_example, len_field, write_tfrecord
 
 JPEG = b"\xff\xd8\xff\xe0" + bytes(range(256)) * 3  # payload bytes only: not decoded by the source
-
-
-# -- a writer of our own ------------------------------------------------------------------------
-
-def _varint(n: int) -> bytes:
-    n &= 0xFFFFFFFFFFFFFFFF
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def _len_field(number: int, body: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(body)) + body
-
-
-def encode_example(features: dict[str, list[bytes] | list[int] | list[float] | np.ndarray], packed: bool = False) -> bytes:
-    """A serialized tf.train.Example: bytes lists, int64 lists (ints) and float lists (floats)."""
-    entries = b""
-    for name, values in features.items():
-        vals = list(values)
-        if vals and isinstance(vals[0], bytes):
-            feature = _len_field(1, b"".join(_len_field(1, v) for v in vals))
-        elif isinstance(values, np.ndarray) and values.dtype.kind == "f" or (vals and isinstance(vals[0], float)):
-            if packed:
-                body = _len_field(1, b"".join(struct.pack("<f", v) for v in vals))
-            else:
-                body = b"".join(_varint(1 << 3 | 5) + struct.pack("<f", v) for v in vals)
-            feature = _len_field(2, body)
-        else:
-            if packed:
-                body = _len_field(1, b"".join(_varint(int(v)) for v in vals))
-            else:
-                body = b"".join(_varint(1 << 3 | 0) + _varint(int(v)) for v in vals)
-            feature = _len_field(3, body)
-        entries += _len_field(1, _len_field(1, name.encode()) + _len_field(2, feature))
-    return _len_field(1, entries)
-
-
-def write_tfrecord(path: Path, examples: list[bytes]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join(frame(e) for e in examples))
-    return path
 
 
 def sample_examples(n: int, seed: int = 0) -> list[dict]:
@@ -336,6 +291,6 @@ def test_a_record_whose_length_starts_like_gzip_is_read(tmp_path):
 
 def test_sequence_example_refused_not_silently_cut():
     context = encode_example({"x": [b"1"]})  # field 1: the context Features, as in an Example
-    feature_lists = _len_field(2, _len_field(1, _len_field(1, b"frames") + _len_field(2, b"")))
+    feature_lists = len_field(2, len_field(1, len_field(1, b"frames") + len_field(2, b"")))
     with pytest.raises(SourceError, match="SequenceExample"):
         parse_example(context + feature_lists)

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from shardkit.errors import ConfigError, ShardkitError
 from shardkit.packing.plan import PackPlan, TaskPlan
@@ -28,9 +28,11 @@ from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_t
 from shardkit.storage.options import with_env_location
 from shardkit.storage.store import Store
 
-__all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address"]
+__all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_address", "run_bounded"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 INSTALL_HINT = "engine='ray' needs Ray: pip install 'shardkit[ray]'"
 # Set before Ray starts: a local cluster on this machine only, and no usage reporting.
@@ -175,39 +177,65 @@ def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptio
     store = Store(store.url, with_env_location(store.url, store.storage_options))
     src = for_tasks(src)
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
+    items = plan.items
+
+    def submit(task: TaskPlan) -> Any:
+        return remote.remote(store, src, task, items[task.start:task.stop], plan.plan_id, opts)
+
+    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
+        results = run_bounded(ray, list(plan.tasks), submit, bar, check)
+    return [results[t.task] for t in plan.tasks]
+
+
+def run_bounded(ray: Any, todo: list[T], submit: Callable[[T], Any], bar: Progress,
+                check: Callable[[], None] | None = None) -> dict[int, TaskResult]:
+    """Submit ``todo`` as Ray tasks in order, at most two per cluster CPU in flight, and collect them.
+
+    Planned tasks and a parts source's parts both run through this loop. On any failure the
+    tasks still in flight are cancelled before the error propagates.
+
+    Args:
+        ray: the initialised ``ray`` module (:func:`ensure_ray`).
+        todo: the work, submitted in this order.
+        submit: starts one item of ``todo`` as a Ray task and returns its object ref.
+        bar: advanced by each finished task's samples and bytes.
+        check: called before each submission (the pack's claim: it raises once another pack
+            took the destination over).
+
+    Returns:
+        Task (or part) index -> its result.
+
+    Raises:
+        ShardkitError: a task's own error (re-raised as itself), or Ray's.
+    """
     max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     results: dict[int, TaskResult] = {}
-    pending: dict[Any, int] = {}
-    todo = list(plan.tasks)
-    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
-        while todo or pending:
-            while todo and len(pending) < max_in_flight:
+    pending: list[Any] = []
+    queue = list(todo)
+    try:
+        while queue or pending:
+            while queue and len(pending) < max_in_flight:
                 if check is not None:
-                    try:
-                        check()
-                    except BaseException:
-                        for other in pending:
-                            ray.cancel(other)
-                        raise
-                task = todo.pop(0)
-                ref = remote.remote(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts)
-                pending[ref] = task.task
+                    check()
+                pending.append(submit(queue.pop(0)))
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                pending.pop(ref)
+                pending.remove(ref)
                 try:
                     res: TaskResult = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
-                    for other in pending:
-                        ray.cancel(other)
                     if isinstance(cause, ShardkitError):
                         raise cause from None
                     raise
                 results[res.task] = res
                 bar.advance(res.samples, res.bytes)
                 bar.task_done()
-    return [results[t.task] for t in plan.tasks]
+    except BaseException:
+        for other in pending:
+            ray.cancel(other)
+        raise
+    return results
 
 
 class RayEngine:

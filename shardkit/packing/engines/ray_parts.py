@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from shardkit.errors import ShardkitError
-from shardkit.packing.engines.ray import ensure_ray
+from shardkit.packing.engines.ray import ensure_ray, run_bounded
 from shardkit.packing.part_task import completed_part, run_part
 from shardkit.packing.progress import Progress
 from shardkit.packing.sources.parts import Parts
@@ -56,32 +55,9 @@ def run_parts_on_ray(store: Store, parts: Parts, todo: list[int], plan_id: str, 
     store = Store(store.url, with_env_location(store.url, store.storage_options))
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_part)
     parts_ref = ray.put(parts)  # pickled once, not once per task
-    max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
-    results: dict[int, TaskResult] = {}
-    pending: dict[Any, int] = {}
-    queue = list(todo)
-    try:
-        with Progress(None, None, len(queue), "pack parts (ray)", enabled=show) as bar:
-            while queue or pending:
-                while queue and len(pending) < max_in_flight:
-                    check()
-                    part = queue.pop(0)
-                    pending[remote.remote(store, parts_ref, part, plan_id, opts)] = part
-                ready, _ = ray.wait(list(pending), num_returns=1)
-                for ref in ready:
-                    pending.pop(ref)
-                    try:
-                        res: TaskResult = ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None)
-                        if isinstance(cause, ShardkitError):
-                            raise cause from None
-                        raise
-                    results[res.task] = res
-                    bar.advance(res.samples, res.bytes)
-                    bar.task_done()
-    except BaseException:
-        for other in pending:
-            ray.cancel(other)
-        raise
-    return results
+
+    def submit(part: int) -> Any:
+        return remote.remote(store, parts_ref, part, plan_id, opts)
+
+    with Progress(None, None, len(todo), "pack parts (ray)", enabled=show) as bar:
+        return run_bounded(ray, todo, submit, bar, check)

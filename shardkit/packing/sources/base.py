@@ -15,7 +15,7 @@ from shardkit.errors import SourceError
 from shardkit.format.tar import member_bytes
 from shardkit.packing.sample import PackSample
 
-__all__ = ["ListingSkips", "Source", "SourceItem", "item_bytes"]
+__all__ = ["ListingSkips", "Source", "SourceItem", "check_unique_keys", "item_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,22 @@ def item_bytes(key: str, fields: Iterable[tuple[str, int]]) -> int:
         The bytes the sample takes in a shard.
     """
     return sum(member_bytes(f"{key}.{name}", size) for name, size in fields)
+
+
+def check_unique_keys(items: Iterable[SourceItem]) -> None:
+    """Refuse a listing in which two items share a key (their samples would overwrite each other).
+
+    Args:
+        items: the listed items.
+
+    Raises:
+        SourceError: two items share a key (names both).
+    """
+    seen: dict[str, str] = {}
+    for it in items:
+        if it.key in seen:
+            raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}")
+        seen[it.key] = it.ref
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import MANIFEST_COLUMNS, FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.files import check_image, check_root, ensure_unique, read_field
-from shardkit.packing.sources.objects import Objects, ReadAhead, is_url, join_url
+from shardkit.packing.sources.objects import Objects, ReadAhead, ReadsAhead, is_url, join_url
 from shardkit.storage.urls import refuse_url_credentials
 
 __all__ = ["FileListSource"]
@@ -36,7 +36,7 @@ _HEAD_BLOCK = 4096
 _HEAD_THREADS = 32
 
 
-class FileListSource:
+class FileListSource(ReadsAhead):
     """A CSV or Parquet table with a path column; every other column becomes metadata.
 
     Relative paths are resolved against the list file's directory (or URL). An optional
@@ -198,9 +198,7 @@ class FileListSource:
         meta = {k: v for k, v in row.items() if k not in (self.path_column, "key")}
         meta["source"] = row[self.path_column]
         if is_url(where):
-            if self._ahead is None:
-                self._ahead = ReadAhead(self._fetch)
-            value = self._ahead.get(item)
+            value = self._read_ahead().get(item)
             check_image(where, ext, value, lambda: self.objects.open(where))
         else:
             value = read_field(Path(where))
@@ -222,14 +220,7 @@ class FileListSource:
             items: the task's items, in order.
         """
         if any(is_url(it.ref.partition(":")[2]) for it in items):
-            if self._ahead is None:
-                self._ahead = ReadAhead(self._fetch)
-            self._ahead.start(items)
-
-    def task_done(self) -> None:
-        """The packer's hook after a task: stop reading ahead."""
-        if self._ahead is not None:
-            self._ahead.close()
+            self._read_ahead().start(items)
 
     def _classes(self) -> dict[str, int]:
         """Class name -> index of a text ``label`` column ("cat", "dog"): the sorted distinct

@@ -26,7 +26,7 @@ from shardkit.format.fields import IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
 from shardkit.packing.sources.listing import walk_objects
-from shardkit.packing.sources.objects import Objects, ReadAhead, is_url, join_url
+from shardkit.packing.sources.objects import Objects, ReadAhead, ReadsAhead, is_url, join_url
 from shardkit.packing.sources.walk import walk_in_order
 
 __all__ = ["STREAM_THRESHOLD", "FolderRoot", "FolderSource", "check_image", "check_root", "ensure_unique", "text_name",
@@ -164,7 +164,7 @@ def ensure_unique(items: list[SourceItem], where: str) -> None:
         seen.add(it.key)
 
 
-class FolderRoot:
+class FolderRoot(ReadsAhead):
     """A folder source's root, a local folder or a URL prefix: listing and reading its files.
 
     A remote root's objects are read ahead within a task (``task_items``/``task_done``, the
@@ -211,16 +211,11 @@ class FolderRoot:
         where = self._where(rel)
         check_image(where, field, value, (lambda: self.objects.open(where)) if self.remote else None)
 
-    def _fetch(self, item: SourceItem) -> Any:  # pragma: no cover - defined by each source
-        raise NotImplementedError
-
     def _fetched(self, item: SourceItem) -> Any:
         """``_fetch(item)``, read ahead in a task over a remote root."""
         if not self.remote:
             return self._fetch(item)
-        if self._ahead is None:
-            self._ahead = ReadAhead(self._fetch)
-        return self._ahead.get(item)
+        return self._read_ahead().get(item)
 
     def task_items(self, items: list[SourceItem]) -> None:
         """The packer's hook at a task's start: read its objects ahead, in this order.
@@ -229,14 +224,7 @@ class FolderRoot:
             items: the task's items, in order.
         """
         if self.remote:
-            if self._ahead is None:
-                self._ahead = ReadAhead(self._fetch)
-            self._ahead.start(items)
-
-    def task_done(self) -> None:
-        """The packer's hook after a task: stop reading ahead."""
-        if self._ahead is not None:
-            self._ahead.close()
+            self._read_ahead().start(items)
 
 
 class FolderSource(FolderRoot):

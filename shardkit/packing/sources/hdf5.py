@@ -22,10 +22,11 @@ import numpy as np
 
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, PackSample, safe_key
-from shardkit.packing.sources.base import SourceItem, item_bytes
+from shardkit.packing.sources.base import SourceItem, check_unique_keys, item_bytes
 from shardkit.packing.sources.hdf5_read import array_field, array_layout, get_dataset, meta_attrs, open_h5
-from shardkit.packing.sources.hdf5_rows import OpenRows, row_field
+from shardkit.packing.sources.hdf5_rows import OpenRows
 from shardkit.packing.sources.npy import npy_header
+from shardkit.packing.sources.npy_rows import row_field
 from shardkit.packing.sources.objects import is_url
 from shardkit.packing.sources.optional import require
 
@@ -157,11 +158,7 @@ class Hdf5Source:
                     items.extend(self._list_rows(f, path, stems[path]))
         if not items:
             raise SourceError(f"{', '.join(self.paths)}: no datasets to pack")
-        seen: dict[str, str] = {}
-        for it in items:
-            if it.key in seen:
-                raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}")
-            seen[it.key] = it.ref
+        check_unique_keys(items)
         return items
 
     def _list_datasets(self, f: Any, path: str, stem: str) -> list[SourceItem]:

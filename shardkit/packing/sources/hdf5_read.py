@@ -19,6 +19,7 @@ import numpy as np
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy_rows import npy_slabs
 from shardkit.packing.sources.objects import Objects, is_url
 from shardkit.packing.sources.optional import require
 
@@ -91,37 +92,6 @@ def array_layout(dset: Any, ref: str) -> tuple[np.dtype, tuple[int, ...]]:
     if dtype.kind == "V" and dtype.names is None and dtype.itemsize == 0:
         raise SourceError(f"{ref}: unsupported opaque dtype {dset.dtype}")
     return dtype, shape
-
-
-def _slabs(shape: tuple[int, ...], itemsize: int, chunks: tuple[int, ...] | None) -> Iterator[tuple[Any, ...]]:
-    """Selections covering ``shape`` in C order, each at most CHUNK_BYTES when possible.
-
-    Splits along the first axis whose trailing block fits the bound; leading axes are walked
-    one index at a time. Slab lengths are rounded to whole HDF5 chunks when that still fits.
-    """
-    if not shape:
-        yield ()
-        return
-    inner = itemsize
-    k = len(shape) - 1
-    # inner = bytes of one index step along axis k
-    for axis in range(len(shape) - 1, -1, -1):
-        if inner * shape[axis] > CHUNK_BYTES:
-            k = axis
-            break
-        inner *= shape[axis]
-    else:
-        yield tuple(slice(0, n) for n in shape)  # the whole array fits in one piece
-        return
-    step = max(1, CHUNK_BYTES // inner)
-    if chunks is not None and chunks[k] <= step:
-        step -= step % chunks[k]
-    for lead in np.ndindex(*shape[:k]):
-        for start in range(0, shape[k], step):
-            stop = min(start + step, shape[k])
-            yield tuple(slice(i, i + 1) for i in lead) + (slice(start, stop),) + tuple(
-                slice(0, n) for n in shape[k + 1 :]
-            )
 
 
 def dataset_chunks(path: str, name: str, sel: tuple[Any, ...],
@@ -206,7 +176,7 @@ def _iter_npy(dset: Any, sel: tuple[Any, ...], ref: str) -> Iterator[bytes]:
         return
     chunk_shape = tuple(dset.chunks[len(sel):]) if dset.chunks else None
     buf: np.ndarray | None = None
-    for slab in _slabs(shape, dset.dtype.itemsize, chunk_shape):
+    for slab in npy_slabs(shape, dset.dtype.itemsize, chunk_shape, CHUNK_BYTES):
         dims = tuple(s.stop - s.start for s in slab) + sub
         n = int(np.prod(dims, dtype=np.int64))
         if buf is None or buf.size < n:

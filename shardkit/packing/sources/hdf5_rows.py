@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import FieldValue, StreamedField, check_field_name
+from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.hdf5_read import array_layout, dataset_chunks, open_h5, read_into, streaming_dataset
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy import CHUNK_BYTES
+from shardkit.packing.sources.npy_rows import NpyRows, row_field
 from shardkit.util.lru import LRU
 
-__all__ = ["OpenRows", "RowColumn", "RowFile", "row_field"]
+__all__ = ["OpenRows", "RowColumn", "RowFile"]
 
 # Rows mode reads this many bytes of consecutive rows at once: rows packed in order are read in
 # order, and one HDF5 read per row costs far more than a small row's bytes (see
@@ -31,7 +32,7 @@ _BLOCK_BYTES = 1 << 20
 _MAX_OPEN_FILES = 4
 
 
-class RowColumn:
+class RowColumn(NpyRows):
     """One dataset of an open rows-mode file, looked up once: its field, the ``.npy`` header
     every row shares (a row's shape and dtype are fixed), and the block of rows read last.
 
@@ -53,21 +54,11 @@ class RowColumn:
         if not shape:
             raise SourceError(f"{self.ref}: scalar dataset has no rows")
         self.field = row_field(name, self.ref)
-        self.n_rows = shape[0]
-        self.header = npy_header(dtype, shape[1:])
-        self.row_nbytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        self.size = len(self.header) + self.row_nbytes
+        chunk_rows = dset.chunks[0] if dset.chunks else None
+        super().__init__(dtype, shape, chunk_rows, _BLOCK_BYTES)
         # A row over CHUNK_BYTES streams through its own open (see dataset_chunks); holding
         # the dataset here would make that open share this one's bigger chunk cache.
         self.dset: Any = dset if self.size <= CHUNK_BYTES and self.row_nbytes else None
-        self.dtype, self.row_shape = dtype, shape[1:]
-        rows = max(1, _BLOCK_BYTES // max(1, self.row_nbytes))
-        chunk_rows = dset.chunks[0] if dset.chunks else None
-        if chunk_rows is not None and chunk_rows <= rows:
-            rows -= rows % chunk_rows  # whole chunks: each is decompressed by one read only
-        self.block_rows = rows
-        self.start = self.stop = 0
-        self.block = memoryview(b"")
 
     def value(self, row: int) -> FieldValue:
         """The .npy body of ``row``.
@@ -84,14 +75,9 @@ class RowColumn:
         if self.size > CHUNK_BYTES:
             return StreamedField(size=self.size, chunks=functools.partial(
                 dataset_chunks, self.path, "/" + self.name, (row,), self.storage_options))
-        if self.dset is None:  # rows of zero elements are their header alone
-            return self.header
-        if not self.start <= row < self.stop:
-            self._read_block(row)
-        at = (row - self.start) * self.row_nbytes
-        return self.header + self.block[at:at + self.row_nbytes]
+        return self.row_body(row)
 
-    def _read_block(self, row: int) -> None:
+    def _read(self, row: int) -> None:
         start = row - row % self.block_rows  # aligned, so blocks start on chunk boundaries
         stop = min(start + self.block_rows, self.n_rows)
         buf = np.empty((stop - start,) + self.row_shape, dtype=self.dtype)
@@ -200,24 +186,3 @@ class OpenRows:
             rf = self.files.pop(path)
             if rf is not None:
                 rf.close()
-
-
-def row_field(name: str, ref: str) -> str:
-    """The field a rows-mode dataset's rows are packed as: its base name plus ``.npy``.
-
-    Args:
-        name: the dataset's path in the file.
-        ref: the dataset, for the error.
-
-    Returns:
-        The field name (``img.npy`` for ``grp/img``).
-
-    Raises:
-        SourceError: the name makes no valid field name.
-    """
-    field = name.rsplit("/", 1)[-1] + ".npy"
-    try:
-        check_field_name(field)
-    except SourceError as exc:
-        raise SourceError(f"{ref}: {exc}") from None
-    return field

@@ -26,7 +26,7 @@ from shardkit.packing.sources.base import SourceItem
 from shardkit.storage.store import Store
 from shardkit.storage.urls import redact_url
 
-__all__ = ["READ_AHEAD", "READ_AHEAD_BYTES", "Objects", "ReadAhead", "is_url", "join_url"]
+__all__ = ["READ_AHEAD", "READ_AHEAD_BYTES", "Objects", "ReadAhead", "ReadsAhead", "is_url", "join_url"]
 
 #: Objects a task keeps in flight ahead of the one it packs.
 READ_AHEAD = 16
@@ -308,3 +308,26 @@ class ReadAhead(Generic[T]):
         if self._pool is not None and self._pid == os.getpid():
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._pool = None
+
+
+class ReadsAhead:
+    """A source that reads a task's objects ahead through its ``_fetch`` (folders, file lists).
+
+    The :class:`ReadAhead` is made on first use, so a copy pickled into a task (without it)
+    makes its own; ``task_done`` is the packer's hook that stops it.
+    """
+
+    _ahead: ReadAhead[Any] | None = None
+
+    def _fetch(self, item: SourceItem) -> Any:  # pragma: no cover - defined by each source
+        raise NotImplementedError
+
+    def _read_ahead(self) -> ReadAhead[Any]:
+        if self._ahead is None:
+            self._ahead = ReadAhead(self._fetch)
+        return self._ahead
+
+    def task_done(self) -> None:
+        """The packer's hook after a task: stop reading ahead."""
+        if self._ahead is not None:
+            self._ahead.close()

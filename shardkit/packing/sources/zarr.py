@@ -23,9 +23,10 @@ from typing import Any, Literal
 import numpy as np
 
 from shardkit.errors import SourceError
-from shardkit.packing.sample import FieldValue, PackSample, check_field_name, safe_key
-from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
-from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sample import FieldValue, PackSample, safe_key
+from shardkit.packing.sources.base import ListingSkips, SourceItem, check_unique_keys, item_bytes
+from shardkit.packing.sources.npy import CHUNK_BYTES
+from shardkit.packing.sources.npy_rows import NpyRows, row_field
 from shardkit.packing.sources.zarr_read import (array_layout, array_npy, is_local, local_path, meta_attrs, npy_size,
                                                 open_node, read_block, store_name)
 
@@ -41,38 +42,22 @@ _BLOCK_BYTES = 1 << 20
 _MAX_CHUNK_BLOCK = 64 << 20
 
 
-class _Column:
+class _Column(NpyRows):
     """One rows-mode array of an open store: its field, the ``.npy`` header its rows share and
     the block of rows read last."""
 
     def __init__(self, arr: Any, ref: str) -> None:
         self.arr, self.ref = arr, ref
-        self.dtype, shape = array_layout(arr, ref)
-        self.n_rows, self.row_shape = shape[0], shape[1:]
-        self.header = npy_header(self.dtype, self.row_shape)
-        self.row_nbytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-        self.size = len(self.header) + self.row_nbytes
-        rows = max(1, _BLOCK_BYTES // max(1, self.row_nbytes))
-        chunk_rows = int(arr.chunks[0])
-        if chunk_rows <= rows:
-            rows -= rows % chunk_rows
-        elif chunk_rows * self.row_nbytes <= _MAX_CHUNK_BLOCK:
-            rows = chunk_rows
-        self.block_rows, self.chunk_rows = rows, chunk_rows
-        self.start = self.stop = 0
-        self.block = memoryview(b"")
+        dtype, shape = array_layout(arr, ref)
+        super().__init__(dtype, shape, int(arr.chunks[0]), _BLOCK_BYTES, _MAX_CHUNK_BLOCK)
+        self.chunk_rows = int(arr.chunks[0])
         self.bad = (0, 0)  # a block that failed to read: its rows are read chunk by chunk
 
     def value(self, row: int, url: str, storage_options: dict[str, Any] | None, name: str) -> FieldValue:
         """The .npy body of ``row``: from the block read last, else after reading its block."""
         if self.size > CHUNK_BYTES:
             return array_npy(self.arr, url, storage_options, name, (row,), self.ref)
-        if not self.row_nbytes:
-            return self.header
-        if not self.start <= row < self.stop:
-            self._read(row)
-        at = (row - self.start) * self.row_nbytes
-        return self.header + self.block[at:at + self.row_nbytes]
+        return self.row_body(row)
 
     def _read(self, row: int) -> None:
         """Read the block holding ``row``; if it fails, only the chunk holding it, so one bad
@@ -182,11 +167,7 @@ class ZarrSource:
         items = self._list_arrays(members, root_array) if self.mode == "arrays" else self._list_rows(members)
         if not items:
             raise SourceError(f"{self.url}: no arrays to pack")
-        seen: dict[str, str] = {}
-        for it in items:
-            if it.key in seen:
-                raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}")
-            seen[it.key] = it.ref
+        check_unique_keys(items)
         return items
 
     def _ref(self, name: str) -> str:
@@ -226,7 +207,7 @@ class ZarrSource:
                 raise SourceError(f"{ref}: has {shape[0]} rows but {self._ref(self.arrays[0])} has {length}; "
                                   "rows mode needs arrays of equal length along axis 0")
             length = shape[0]
-            field = _row_field(name, ref)
+            field = row_field(name, ref)
             if field in (f for f, _ in fields):
                 raise SourceError(f"{ref}: two arrays would both be field {field!r}")
             fields.append((field, npy_size(dtype, shape[1:])))
@@ -290,7 +271,7 @@ class ZarrSource:
             if row >= col.n_rows:
                 raise SourceError(f"{col.ref}: row {row} out of range ({col.n_rows} rows)")
             inner = "" if not hasattr(opened.node, "members") else name
-            fields[_row_field(name, col.ref)] = col.value(row, self.url, self.storage_options, inner)
+            fields[row_field(name, col.ref)] = col.value(row, self.url, self.storage_options, inner)
         return PackSample(key=item.key, fields=fields, meta={"source": f"{self.name}::{row}"})
 
     def describe(self) -> dict[str, Any]:
@@ -309,16 +290,6 @@ class ZarrSource:
             None.
         """
         return None
-
-
-def _row_field(name: str, ref: str) -> str:
-    """The field a rows-mode array's rows are packed as: its base name plus ``.npy``."""
-    field = name.rsplit("/", 1)[-1] + ".npy"
-    try:
-        check_field_name(field)
-    except SourceError as exc:
-        raise SourceError(f"{ref}: {exc}") from None
-    return field
 
 
 def _some(names: list[str], limit: int = 5) -> str:

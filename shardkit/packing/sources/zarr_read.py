@@ -18,6 +18,7 @@ import numpy as np
 from shardkit.errors import SourceError, SourceNotFoundError, StorageError
 from shardkit.packing.sample import FieldValue, StreamedField
 from shardkit.packing.sources.npy import CHUNK_BYTES, npy_header
+from shardkit.packing.sources.npy_rows import npy_slabs
 from shardkit.packing.sources.optional import require
 
 __all__ = ["array_layout", "array_npy", "is_local", "local_path", "meta_attrs", "npy_size", "open_node",
@@ -162,31 +163,6 @@ def read_block(arr: Any, sel: tuple[slice, ...], dtype: np.dtype, ref: str, what
                           "truncated or corrupt; rewrite it, or pack with on_error='skip'") from exc
 
 
-def _slabs(shape: tuple[int, ...], itemsize: int, chunks: tuple[int, ...]) -> Iterator[tuple[slice, ...]]:
-    """Selections covering ``shape`` in C order, each at most CHUNK_BYTES when possible,
-    split along the first axis whose trailing block fits and rounded to whole chunks there
-    when that still fits (so no chunk is decoded twice for one slab boundary)."""
-    if not shape:
-        yield ()
-        return
-    inner, k = itemsize, len(shape) - 1
-    for axis in range(len(shape) - 1, -1, -1):
-        if inner * shape[axis] > CHUNK_BYTES:
-            k = axis
-            break
-        inner *= shape[axis]
-    else:
-        yield tuple(slice(0, n) for n in shape)
-        return
-    step = max(1, CHUNK_BYTES // inner)
-    if chunks[k] <= step:
-        step -= step % chunks[k]
-    for lead in np.ndindex(*shape[:k]):
-        for start in range(0, shape[k], step):
-            yield (tuple(slice(i, i + 1) for i in lead) + (slice(start, min(start + step, shape[k])),)
-                   + tuple(slice(0, n) for n in shape[k + 1:]))
-
-
 def _what(lead: tuple[int, ...], slab: tuple[slice, ...]) -> str:
     """The part of an array a read covers, for its error (``row 7``, ``[0:128, 0:64]``)."""
     if lead:
@@ -216,7 +192,7 @@ def iter_npy(arr: Any, lead: tuple[int, ...], ref: str) -> Iterator[bytes]:
     if int(np.prod(shape, dtype=np.int64)) == 0:
         return
     head = tuple(slice(i, i + 1) for i in lead)
-    for slab in _slabs(shape, dtype.itemsize, tuple(arr.chunks)[len(lead):]):
+    for slab in npy_slabs(shape, dtype.itemsize, tuple(arr.chunks)[len(lead):], CHUNK_BYTES):
         yield read_block(arr, head + slab, dtype, ref, _what(lead, slab)).tobytes()
 
 
