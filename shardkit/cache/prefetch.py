@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, Sequence
 
@@ -46,6 +47,11 @@ class Prefetcher:
 
     def close(self) -> None:
         """Drop the plan and wait for the jobs running to finish; later plans are ignored."""
+        if sys.is_finalizing():
+            # An iterator closed at interpreter exit: the daemon threads are frozen by now, maybe
+            # holding the condition's lock; taking it or joining them would hang the exit.
+            self._closed, self._plan = True, []
+            return
         with self._cv:
             self._closed, self._plan = True, []
             self._cv.notify_all()

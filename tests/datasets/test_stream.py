@@ -292,7 +292,10 @@ def test_unfinished_iterator_at_exit_prints_nothing(local_ds: tuple[str, dict[st
     url, _ = local_ds
     # Whether the iterator outlives builtins depends on the order the script's globals are
     # cleared in at exit: this order (a function defined first) showed it every time.
-    code = ("import sys, time, os\n"
+    # faulthandler turns a hang at exit (prefetch threads frozen holding their lock, 1 run in
+    # ~36 with 6 at once before the fix) into a failure that shows every thread's stack.
+    code = ("import faulthandler; faulthandler.dump_traceback_later(90, exit=True)\n"
+            "import sys, time, os\n"
             "def rss():\n    return 1\n"
             "import shardkit\n"
             "s = shardkit.StreamingDataset(sys.argv[1], cache_dir=sys.argv[2], shuffle=True)\n"
@@ -300,7 +303,7 @@ def test_unfinished_iterator_at_exit_prints_nothing(local_ds: tuple[str, dict[st
             "print(x['__key__'])\n")
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", code, url, str(tmp_path)], capture_output=True, text=True,
-                              timeout=120)
+                              timeout=150)
         assert done.returncode == 0 and done.stdout.strip(), done.stderr
         assert done.stderr == "", done.stderr
 
