@@ -9,29 +9,26 @@ are counted, and lie inside a sample's byte range when they sit between its memb
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator
 
 import xxhash
 
-from shardkit.errors import IntegrityError, SourceError, UnsafeTarError
+from shardkit.errors import SourceError, UnsafeTarError
 from shardkit.format.checksums import SampleHasher
 from shardkit.format.rows import SampleRows, ShardRecord
 from shardkit.format.tarscan import TarMember, scan_tar, wds_split
 from shardkit.packing.key_ledger import KeyLedger
 from shardkit.packing.sample import case_clash_reason
-from shardkit.storage.etag import EtagCheck
+from shardkit.storage.etag import EtagCheck, confirmed_read
 from shardkit.storage.retry import retrying
 from shardkit.storage.store import Store
 
 __all__ = ["MAX_GAP", "index_tar"]
 
-log = logging.getLogger(__name__)
 
 _READ_CHUNK = 8 * 2**20
-_MAX_READS = 3  # of one tar whose bytes the ETag does not confirm
 # Bytes between two members that may still belong to one sample (headers of directories,
 # pax records): more than this is not a WebDataset tar.
 MAX_GAP = 16 * 2**20
@@ -325,35 +322,21 @@ def _scan_once(store: Store, rel: str, size: int, shard: int, check: EtagCheck |
 
 
 def _trusted_scan(store: Store, rel: str, shard: int) -> _Scan:
-    """A read of the tar whose bytes are the object's: checked against the ETag where the
-    store gives one (:mod:`shardkit.storage.etag`), else, after a mismatch, two reads that
-    agree (an ETag that is no MD5 of the bytes: KMS encryption, another store's scheme). A
-    malformed tar is refused only when a second read finds it the same: a byte flipped in
-    transit can break a header as well as a body."""
-    url = store.url_of(rel)
+    """A read of the tar whose bytes are the object's (:func:`~shardkit.storage.etag.confirmed_read`):
+    checked against the ETag on an object store; a malformed tar is refused only when a second
+    read finds it the same. A local file is read once."""
     info = store.info(rel)
     size = int(info["size"])
+    if not store.is_object_store:
+        return _scan_once(store, rel, size, shard, None)
     etag = info.get("ETag") or info.get("etag")
-    remote = store.is_object_store
-    seen: list[str] = []  # file digests of reads the ETag did not confirm
-    faults: list[str] = []  # errors of reads that found the tar malformed
-    for _ in range(_MAX_READS):
-        check = EtagCheck(etag, size) if remote else None
-        try:
-            got = _scan_once(store, rel, size, shard, check)
-        except (UnsafeTarError, SourceError) as exc:
-            if not remote or str(exc) in faults:
-                raise  # the same fault on two reads: the tar's, not the transfer's
-            faults.append(str(exc))
-            log.warning("%s; reading it again in case a byte was corrupted in transit", exc)
-            continue
-        verdict = check.verdict() if check is not None else None
-        if verdict is not False or got.record.checksum in seen:
-            return got  # the ETag agrees, cannot tell (a local file), or two reads agree
-        seen.append(got.record.checksum)
-        log.warning("%s: the bytes read do not match its ETag %s; reading it again", url, etag)
-    raise IntegrityError(f"{url}: {_MAX_READS} reads of it gave different bytes or faults ({'; '.join(faults[:2])}); "
-                         f"the network or the store corrupts data: check it, then rerun the index")
+
+    def read() -> tuple[_Scan, bool | None, str]:
+        check = EtagCheck(etag, size)
+        got = _scan_once(store, rel, size, shard, check)
+        return got, check.verdict(), got.record.checksum
+
+    return confirmed_read(read, store.url_of(rel), malformed=(UnsafeTarError, SourceError))
 
 
 def index_tar(store: Store, rel: str, shard: int, rows: SampleRows, keys: KeyLedger, fields: set[str],

@@ -12,10 +12,18 @@ store that computes it otherwise) cannot tell, and says so (``None``), never a f
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-__all__ = ["COMMON_PART_SIZES", "MAX_CANDIDATES", "EtagCheck"]
+from shardkit.errors import IntegrityError
+
+__all__ = ["COMMON_PART_SIZES", "CONFIRMING_READS", "MAX_CANDIDATES", "EtagCheck", "confirmed_read"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CONFIRMING_READS = 3  # reads of an object whose bytes the ETag does not confirm, at most
 
 _MIB = 2**20
 # Part sizes uploaders use: boto3/aws-cli 8 MiB, S3's 5 MiB minimum, s3fs 50 MiB, and the
@@ -119,3 +127,42 @@ class EtagCheck:
         if self._whole is not None:
             return bool(self._whole.hexdigest() == self._want)
         return any(p.etag() == self._want for p in self._parts)
+
+
+def confirmed_read(read: Callable[[], tuple[T, bool | None, str]], what: str, *,
+                   malformed: tuple[type[Exception], ...] = ()) -> T:
+    """Read an object until its bytes are trusted: the ETag agrees, or cannot tell, or (after a
+    mismatch: an ETag that is no MD5 of the bytes, KMS encryption, another store's scheme) two
+    reads give the same bytes.
+
+    Args:
+        read: one read: (its result, :meth:`EtagCheck.verdict` of its bytes, a digest of them).
+        what: the object, for messages.
+        malformed: errors a read may raise over bytes it found malformed; one is raised only
+            when a second read finds the same (a byte flipped in transit can break a header).
+
+    Returns:
+        The result of the trusted read.
+
+    Raises:
+        IntegrityError: :data:`CONFIRMING_READS` reads gave different bytes or faults.
+        Exception: one of ``malformed`` that two reads raised alike.
+    """
+    seen: list[str] = []
+    faults: list[str] = []
+    for _ in range(CONFIRMING_READS):
+        try:
+            value, verdict, digest = read()
+        except malformed as exc:
+            if str(exc) in faults:
+                raise  # the same fault on two reads: the object's, not the transfer's
+            faults.append(str(exc))
+            log.warning("%s; reading it again in case a byte was corrupted in transit", exc)
+            continue
+        if verdict is not False or digest in seen:
+            return value
+        seen.append(digest)
+        log.warning("%s: the bytes read do not match its ETag; reading it again", what)
+    why = f" or faults ({'; '.join(faults[:2])})" if faults else ""
+    raise IntegrityError(f"{what}: {CONFIRMING_READS} reads gave different bytes{why}, none matching its ETag; the "
+                         "network or the store corrupts data: check it, then retry")

@@ -10,7 +10,6 @@ translated into a :mod:`shardkit.errors` class whose message names the object, n
 from __future__ import annotations
 
 import errno
-import logging
 import os
 from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
@@ -19,7 +18,7 @@ import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError
-from shardkit.storage.etag import EtagCheck
+from shardkit.storage.etag import EtagCheck, confirmed_read
 from shardkit.storage.filesystem import create_local, open_fs, reopen_fs
 from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import retrying, translate
@@ -31,9 +30,6 @@ __all__ = ["Store"]
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-_CHECKED_READS = 3  # of an object whose ETag does not confirm the bytes read
 
 
 
@@ -265,22 +261,20 @@ class Store:
         """
         if not self.is_object_store:
             return self.read_bytes(rel)
-        seen: list[str] = []
-        for _ in range(_CHECKED_READS):
+        reads = 0
+
+        def read() -> tuple[bytes, bool | None, str]:
+            nonlocal reads
+            if reads:
+                self.fs.invalidate_cache(self.path(rel))  # a listing's ETag may predate an overwrite
+            reads += 1
             info = self.info(rel)
             data = self.read_bytes(rel)
             check = EtagCheck(info.get("ETag") or info.get("etag"), int(info.get("size", -1)))
             check.update(data)
-            if check.verdict() is not False:
-                return data
-            digest = xxhash.xxh3_128_hexdigest(data)
-            if digest in seen:
-                return data  # the same bytes twice: the ETag is no MD5 of them
-            seen.append(digest)
-            self.fs.invalidate_cache(self.path(rel))  # a listing's ETag may predate an overwrite
-            log.warning("%s: the bytes read do not match its ETag; reading it again", self.url_of(rel))
-        raise IntegrityError(f"{self.url_of(rel)}: {_CHECKED_READS} reads gave different bytes, none matching its "
-                             f"ETag; the network or the store corrupts data")
+            return data, check.verdict(), xxhash.xxh3_128_hexdigest(data)
+
+        return confirmed_read(read, self.url_of(rel))
 
     def check_extent(self, rel: str, end: int) -> None:
         """After a short read: tell a truncated object from a dropped connection.

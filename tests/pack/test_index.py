@@ -475,7 +475,7 @@ def test_a_tar_whose_etag_cannot_confirm_its_bytes_is_read_again_and_two_equal_r
                                      MultipartUpload={"Parts": parts})
     info = store.info("a.tar")
     assert EtagCheck(info["ETag"], info["size"]).checkable
-    with caplog.at_level("WARNING", logger="shardkit.packing.index_scan"):
+    with caplog.at_level("WARNING", logger="shardkit.storage.etag"):
         index_tars(url, storage_options=opts, progress=False)
     assert sum("do not match its ETag" in r.getMessage() for r in caplog.records) == 1
     _check(url, {"a.tar": data}, opts)
