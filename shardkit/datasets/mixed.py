@@ -184,7 +184,7 @@ class MixedStreamingDataset(StreamingDataset):
 
     def _digests(self) -> list[str | None]:
         """Per stream, the digest of its selection (None: the whole dataset)."""
-        return [None if sel is None else sel.digest for sel in getattr(self, "selections", ())] or [None] * len(self.dss)
+        return [None if sel is None else sel.digest for sel in self.selections]
 
     def _epoch_ranges(self) -> tuple[Topology, MixtureOrder, list[Range]]:
         """This reader's topology, the epoch's mixture order and the positions of it this reader reads."""
