@@ -13,7 +13,8 @@ __all__ = [
     "ShardkitError", "ConfigError", "SourceError", "SourceNotFoundError", "DatasetNotFoundError",
     "DatasetExistsError", "ManifestError", "IntegrityError", "DecodeError", "UnsafeTarError",
     "StorageError", "StorageStalledError", "StoragePermissionError", "CacheFullError", "NoRoomError",
-    "CacheLockedError", "CacheGoneError", "CacheDiskFullError", "SampleNotFoundError", "first_line",
+    "CacheLockedError", "CacheGoneError", "CacheDiskFullError", "SampleNotFoundError", "DevServerError",
+    "first_line",
 ]
 
 
@@ -115,6 +116,10 @@ class SampleNotFoundError(ShardkitError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class DevServerError(ShardkitError, RuntimeError):
+    """The local S3 server (``python -m shardkit.dev.devserver``) could not be found or started."""
 
 
 def first_line(exc: BaseException) -> str:

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar
 
-from shardkit.errors import ShardkitError
+from shardkit.errors import DevServerError
 from shardkit.util.libc import libc_function
 
 __all__ = ["REGION", "DevServer", "DevServerError", "S3Server", "free_port_pairs", "main", "weed_binary"]
@@ -44,10 +44,6 @@ log = logging.getLogger(__name__)
 REGION = "us-east-1"
 DEFAULT_PORT = 9000  # MinIO's, so docs and docker-compose examples work unchanged
 START_ATTEMPTS = 3
-
-
-class DevServerError(ShardkitError, RuntimeError):
-    """The local S3 server could not be found or started."""
 
 
 @dataclasses.dataclass(frozen=True)
