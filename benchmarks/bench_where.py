@@ -1,7 +1,7 @@
 """``where=`` on a large manifest: the time and peak RSS of one rank's selection, against
 pyarrow.compute reading the same columns and filtering them.
 
-    .venv/bin/python -m benchmarks.bench_where [--rows 20000000] [--where "label < 500 AND width >= 224"]
+    .venv/bin/python -m benchmarks.bench_where [--rows 20000000] [--where "label < 500 AND width >= 224"] [--s3]
 
 Builds once, under benchmarks/.cache/where-<rows>, a synthetic committed manifest (no shards:
 the selection reads only the manifest): ``dataset.json``, ``shards.parquet`` with 10,000
@@ -18,6 +18,9 @@ columns (``key``, ``shard``, ``offset``, ``size``, ``checksum``; ``fields`` and
 * ``shardkit stored``: a rank loading the node's stored result (every rank but the first);
 * ``pyarrow``: ``pq.read_table(columns=...)`` of the query's columns and ``pc`` filter.
 
+With ``--s3`` the shardkit arms read the manifest from a throwaway SeaweedFS on loopback (the
+files uploaded there first, untimed), as a node of a training job reads it from its bucket.
+
 Peak RSS is /proc's VmHWM of the measuring process (imports included).
 
 Writes results/where.json.
@@ -26,6 +29,7 @@ Writes results/where.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -168,6 +172,7 @@ def main() -> None:
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--copies", help=argparse.SUPPRESS)
+    p.add_argument("--s3", action="store_true", help="read the manifest from a throwaway SeaweedFS")
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.url, args.where, args.copies)))
@@ -175,6 +180,37 @@ def main() -> None:
     t0 = time.perf_counter()
     root = build(args.rows)
     print(f"manifest of {args.rows:,} rows at {root} (built or found in {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        url = str(root)
+        if args.s3:
+            url = _upload(stack, root)
+        results = _arms(url, str(root), args.where)
+    manifest_bytes = sum(f.stat().st_size for f in (root / "manifest").glob("samples-*.parquet"))
+    report = {"rows": args.rows, "where": args.where, "store": "s3 (SeaweedFS, loopback)" if args.s3 else "local files",
+              "manifest_bytes": manifest_bytes, "cpus": os.cpu_count(), "results": results}
+    out = Path(__file__).resolve().parent / "results" / ("where_s3.json" if args.s3 else "where.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+def _upload(stack: contextlib.ExitStack, root: Path) -> str:
+    """Start a throwaway SeaweedFS (this process's AWS_* variables point at it, so the arms'
+    processes reach it), upload the manifest under ``s3://where/ds`` and return that URL."""
+    from benchmarks.common import Weed, boto3_client
+
+    server = stack.enter_context(Weed())
+    os.environ.update(server.env())
+    client = boto3_client(server.env())
+    client.create_bucket(Bucket="where")
+    for f in sorted(root.rglob("*")):
+        if f.is_file():
+            client.upload_file(str(f), "where", f"ds/{f.relative_to(root)}")
+    return "s3://where/ds"
+
+
+def _arms(url: str, local_root: str, where: str) -> list[dict[str, Any]]:
+    """Every arm, each in a fresh process: shardkit cold, warm and stored over ``url``, and
+    pyarrow over the local files."""
     copies = tempfile.mkdtemp(prefix="bench-where-copies-")
     results = []
     try:
@@ -182,20 +218,16 @@ def main() -> None:
             if arm == "shardkit warm":  # copies kept, stored result removed: the query runs again
                 for f in Path(copies).glob("selection-*"):
                     f.unlink()
-            results.append(_child(arm.split()[0], str(root), args.where, copies))
+            tool = arm.split()[0]
+            results.append(_child(tool, local_root if tool == "pyarrow" else url, where, copies))
             results[-1]["arm"] = arm
             print(json.dumps(results[-1]), file=sys.stderr)
-        results.append(_child("shardkit", str(root), args.where, copies))  # the node's stored result
+        results.append(_child("shardkit", url, where, copies))  # the node's stored result
         results[-1]["arm"] = "shardkit stored"
         print(json.dumps(results[-1]), file=sys.stderr)
     finally:
         shutil.rmtree(copies, ignore_errors=True)
-    manifest_bytes = sum(f.stat().st_size for f in (root / "manifest").glob("samples-*.parquet"))
-    report = {"rows": args.rows, "where": args.where, "manifest_bytes": manifest_bytes, "cpus": os.cpu_count(),
-              "results": results}
-    out = Path(__file__).resolve().parent / "results" / "where.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    return results
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -33,10 +34,12 @@ from shardkit.read.dataset import Dataset
 from shardkit.read.manifest import check_same_pack
 from shardkit.read.manifest_copies import copy_path, keep_copy
 
-__all__ = ["DUCKDB_MEMORY", "ManifestSQL", "connect", "duckdb_module", "local_fragments", "where_count", "where_indices"]
+__all__ = ["COPY_THREADS", "DUCKDB_MEMORY", "ManifestSQL", "connect", "duckdb_module", "local_fragments", "where_count", "where_indices"]
 
 # DuckDB's own bound: it spills or fails past it instead of growing with the manifest.
 DUCKDB_MEMORY = "512MB"
+# Fragments fetched at once by the node's first rank (each is held whole while it is kept).
+COPY_THREADS = 4
 
 
 def duckdb_module() -> Any:
@@ -77,17 +80,24 @@ def local_fragments(ds: Dataset, scratch: str) -> dict[str, str]:
         raise ManifestError(f"{ds.url}: where= needs shards.parquet's samples_file/samples_row_group columns "
                             "(a manifest of an older shardkit): re-pack or re-index it")
     where = ds.manifest_cache or scratch
-    out: dict[str, str] = {}
-    for name in names:
-        path = copy_path(where, name)
-        if not os.path.exists(path):
-            data = ds.store.read_bytes(name)
-            check_same_pack(parquet_file(data, ds.store.url_of(name)), ds.store.url_of(name), ds.url, ds.shard_list)
-            keep_copy(where, name, data)  # best effort: renamed into place
-            if not os.path.exists(path):
-                raise ManifestError(f"could not keep a local copy of {ds.store.url_of(name)} in {where}")
-        out[name] = path
+    out = {name: copy_path(where, name) for name in names}
+    missing = [name for name, path in out.items() if not os.path.exists(path)]
+    if missing:
+        # Fetched a few at a time: one GET at a time leaves a remote store's bandwidth idle
+        # behind each request's latency, and the node's first rank waits for every fragment.
+        with ThreadPoolExecutor(min(COPY_THREADS, len(missing)), thread_name_prefix="shardkit-where") as pool:
+            for _ in pool.map(lambda name: _fetch_copy(ds, name, where, out[name]), missing):
+                pass
     return out
+
+
+def _fetch_copy(ds: Dataset, name: str, where: str, path: str) -> None:
+    """Fetch fragment ``name``, check it is of this pack, and keep it at ``path`` (in ``where``)."""
+    data = ds.store.read_bytes(name)
+    check_same_pack(parquet_file(data, ds.store.url_of(name)), ds.store.url_of(name), ds.url, ds.shard_list)
+    keep_copy(where, name, data)  # best effort: renamed into place
+    if not os.path.exists(path):
+        raise ManifestError(f"could not keep a local copy of {ds.store.url_of(name)} in {where}")
 
 
 class ManifestSQL:
