@@ -59,8 +59,15 @@ class Gate:
         self.held = {it.key for it in items[self.held_from:]}
         return items
 
+    def _held(self) -> set[str]:
+        # A pack that plans as the source is listed pickles the gate into tasks before the
+        # listing ends: each copy lists the (local, small) source itself, once.
+        if self.held is None:
+            self.held = {it.key for it in self.inner.list_items()[self.held_from:]}
+        return self.held
+
     def load(self, item: Any) -> Any:
-        if self.held is None or item.key in self.held:
+        if item.key in self._held():
             import ray
 
             node = ray.get_runtime_context().get_node_id()
