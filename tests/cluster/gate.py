@@ -10,6 +10,7 @@ plan: a plain rerun resumes it.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -80,6 +81,17 @@ class Gate:
                     or len(marked_nodes(self.marks)) < self.nodes):
                 time.sleep(0.05)
         return self.inner.load(item)
+
+    @property
+    def storage_options(self) -> Any:
+        """The wrapped source's: the Ray engine pins the driver's S3 endpoint into a copy of the
+        source for its tasks, which must reach the wrapped source (AttributeError if it has none)."""
+        return self.inner.storage_options
+
+    @storage_options.setter
+    def storage_options(self, value: Any) -> None:
+        self.inner = copy.copy(self.inner)  # the driver's own source keeps its options
+        self.inner.storage_options = value
 
     def __getattr__(self, name: str) -> Any:
         # describe(), labels(), listing ...: the wrapped source's (never recurse while unpickling).
