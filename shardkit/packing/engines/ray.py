@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# run_bounded's end of work (any value, None or 0 included, may be a piece of work).
 _NO_MORE = object()
 
 INSTALL_HINT = "engine='ray' needs Ray: pip install 'shardkit[ray]'"
