@@ -136,8 +136,9 @@ def known_keys(store: Store, base: BaseVersion, keys: list[str]) -> set[str]:
 
 def _shifted(plan: PackPlan, shard_base: int, task_base: int) -> PackPlan:
     """The plan with its shards and tasks numbered on from an earlier version's."""
-    tasks = [TaskPlan(t.task + task_base, tuple(ShardSpan(s.shard + shard_base, s.start, s.stop) for s in t.shards))
-             for t in plan.tasks]
+    # The fingerprints stay: the plan's options name the version it builds on, which fixes the shift.
+    tasks = [TaskPlan(t.task + task_base, tuple(ShardSpan(s.shard + shard_base, s.start, s.stop) for s in t.shards),
+                      t.fingerprint) for t in plan.tasks]
     return PackPlan(plan.items, tasks, plan.plan_id, plan.total_bytes)
 
 

@@ -1,7 +1,9 @@
 """``shardkit.pack``: check the arguments, list the source, plan by bytes, run the tasks, commit.
 
 The work is done by the modules this one calls in turn: the source is listed
-(:mod:`shardkit.packing.sources`) and planned (:mod:`shardkit.packing.plan`), the destination is
+(:mod:`shardkit.packing.sources`) and planned (:mod:`shardkit.packing.plan`; as the listing
+arrives, :mod:`shardkit.packing.plan_stream`, for a source that streams its listing into a
+destination holding no dataset yet), the destination is
 claimed (:mod:`shardkit.packing.claim`) and made safe to write (:mod:`shardkit.packing.destination`),
 an engine runs the tasks (:mod:`shardkit.packing.engines`, each task
 :func:`shardkit.packing.task.run_task`), and the driver alone commits
@@ -27,7 +29,8 @@ from shardkit.packing.destination import (prepare_destination, refuse_committed,
 from shardkit.packing.engines import engine_for
 from shardkit.packing.iterable import pack_iterable
 from shardkit.packing.pack_parts import pack_parts
-from shardkit.packing.plan import make_plan
+from shardkit.packing.plan import PackPlan, Planner, make_plan
+from shardkit.packing.plan_stream import TaskStream
 from shardkit.packing.sources import resolve_source
 from shardkit.packing.sources.base import ListingSkips
 from shardkit.packing.sources.hf import HfSource, hf_iterable_samples, hf_kind
@@ -173,41 +176,77 @@ def pack(source: Any, dest: str, shard_bytes: int | str = DEFAULT_SHARD_BYTES, e
     if listing is not None:
         listing.skip = on_error == "skip"
     started = time.monotonic()
-    items = src.list_items()
-    if not items:
-        raise SourceError(f"source {source} is empty")
     settings: dict[str, Any] = {"on_error": on_error, "transform": desc, "source": src.describe()}
-    plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
-                     options=settings)
-    if not overwrite:
-        done = committed_as(store, plan.plan_id)
-        if done is not None:  # the same source and options committed here already: nothing to write
-            return {**done, "up_to_date": True, "elapsed_seconds": round(time.monotonic() - started, 3),
-                    "reused_tasks": 0, "tasks": 0}
-    if append and store.exists(DATASET_JSON):
-        return append_pack(store, src, items, settings=settings, opts=opts, fingerprint=plan.plan_id,
-                           engine=engine, runner=runner, progress=progress,
-                           listing_skipped=listing.skipped if listing is not None else [], started=started)
-    refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
-    claim = Claim(store, plan.plan_id, {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples,
-                                        "task_bytes": opts.task_bytes})
-    claim.take(overwrite)
+    claim_settings = {**settings, "shard_bytes": sbytes, "shard_samples": shard_samples, "task_bytes": opts.task_bytes}
+    planner = Planner(shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes, options=settings)
+    streamed = getattr(src, "iter_items", None)
+    feed: PackPlan | TaskStream
+    if callable(streamed) and not append and not store.exists(DATASET_JSON):
+        # Plan as the listing arrives: the first tasks run while the rest is listed. The claim
+        # is the settings' (the whole listing's fingerprint comes at its end); each task's own
+        # fingerprint tells a rerun which tasks are done.
+        feed = TaskStream(streamed(), planner)
+        claim_id = planner.settings_id
+        try:
+            feed.prime()  # a missing or empty source fails here, before anything is claimed
+        except BaseException:
+            feed.close()
+            raise
+        if feed.done and not feed.num_items:
+            feed.close()
+            raise SourceError(f"source {source} is empty")
+    else:
+        # The whole listing first: an append checks its keys, a committed dataset here is up to
+        # date or refused, before anything is written.
+        items = src.list_items()
+        if not items:
+            raise SourceError(f"source {source} is empty")
+        plan = make_plan(items, shard_bytes=sbytes, shard_samples=shard_samples, task_bytes=opts.task_bytes,
+                         options=settings)
+        if not overwrite:
+            done = committed_as(store, plan.plan_id)
+            if done is not None:  # the same source and options committed here already: nothing to write
+                return {**done, "up_to_date": True, "elapsed_seconds": round(time.monotonic() - started, 3),
+                        "reused_tasks": 0, "tasks": 0}
+        if append and store.exists(DATASET_JSON):
+            return append_pack(store, src, items, settings=settings, opts=opts, fingerprint=plan.plan_id,
+                               engine=engine, runner=runner, progress=progress,
+                               listing_skipped=listing.skipped if listing is not None else [], started=started)
+        feed = plan
+        # A source that streams claims by its settings either way, so a rerun resumes it whichever
+        # way it is listed.
+        claim_id = planner.settings_id if callable(streamed) else plan.plan_id
+    try:
+        refuse_committed(store, overwrite)  # before claiming: nothing written (checked again once claimed)
+        claim = Claim(store, claim_id, claim_settings)
+        claim.take(overwrite)
+    except BaseException:
+        _close(feed)
+        raise
     replaced = False
     try:
         runner.start()  # reach Ray (or fail naming it) before an --overwrite removes the old dataset
-        # Everything checkable is checked by now (options, source listed, plan made, claim
-        # taken): only from here on may an --overwrite remove the old dataset.
+        # Everything checkable is checked by now (options, source listed or its first task
+        # planned, claim taken): only from here on may an --overwrite remove the old dataset.
         replaced = prepare_destination(store, claim, overwrite)
         sweep_temp(store)
-        results = runner.run(store, src, plan, opts, progress, claim.check)
+        results = runner.run(store, src, feed, opts, progress, claim.check)
         return commit_pack(store, claim, results, source=src.describe(), labels=src.labels(), started=started,
                            engine=engine, opts=opts, listing_skipped=listing.skipped if listing is not None else [],
-                           fingerprint=plan.plan_id)
+                           fingerprint=feed.plan_id)
     except BaseException as exc:
         claim.release(ended=True)
         if replaced:
             say_replaced(exc, store)
         raise
+    finally:
+        _close(feed)
+
+
+def _close(feed: PackPlan | TaskStream) -> None:
+    """Stop a streamed listing (a plan made from a whole listing has nothing to stop)."""
+    if isinstance(feed, TaskStream):
+        feed.close()
 
 
 def _is_iterable(source: Any) -> bool:

@@ -21,12 +21,12 @@ class Progress:
     Args:
         total_items: the samples expected (None: unknown, no ETA).
         total_bytes: the bytes expected (unused: the bar counts samples).
-        total_tasks: the tasks expected.
+        total_tasks: the tasks expected (None: not known yet, see :meth:`set_totals`).
         desc: the bar's label.
         enabled: show it (False: every call does nothing visible).
     """
 
-    def __init__(self, total_items: int | None, total_bytes: int | None, total_tasks: int, desc: str,
+    def __init__(self, total_items: int | None, total_bytes: int | None, total_tasks: int | None, desc: str,
                  enabled: bool = True) -> None:
         self.total_tasks = total_tasks
         self.tasks_done = 0
@@ -51,6 +51,19 @@ class Progress:
         if now - self._last_postfix > 0.5:
             self._postfix(now)
 
+    def set_totals(self, items: int | None, tasks: int | None) -> None:
+        """The totals, once known (a listing that ended while the work ran); None leaves one as it is.
+
+        Args:
+            items: the samples expected.
+            tasks: the tasks expected.
+        """
+        if items is not None and self._bar.total != items:
+            self._bar.total = items
+            self._bar.refresh()
+        if tasks is not None:
+            self.total_tasks = tasks
+
     def task_done(self) -> None:
         """Count one more task done."""
         self.tasks_done += 1
@@ -59,7 +72,8 @@ class Progress:
     def _postfix(self, now: float) -> None:
         self._last_postfix = now
         rate = self.bytes / max(now - self.started, 1e-9) / 1e6
-        self._bar.set_postfix_str(f"{rate:.1f} MB/s, tasks {self.tasks_done}/{self.total_tasks}", refresh=False)
+        of = "?" if self.total_tasks is None else self.total_tasks
+        self._bar.set_postfix_str(f"{rate:.1f} MB/s, tasks {self.tasks_done}/{of}", refresh=False)
 
     def __enter__(self) -> "Progress":
         return self

@@ -102,7 +102,8 @@ def run_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[Sourc
         source: the source the items come from.
         plan: the task's part of the plan.
         items: the task's items, in order (``plan.start`` to ``plan.stop`` of the plan's list).
-        plan_id: the plan's fingerprint, recorded in the fragment for :func:`completed_task`.
+        plan_id: the task's fingerprint (``plan.fingerprint``: the plan through its last item),
+            recorded in the fragment for :func:`completed_task`.
         opts: the pack's options.
         progress: called with (samples, bytes) as each sample is written.
         uploader: an upload thread shared with other tasks (default: the task's own, closed
@@ -202,7 +203,8 @@ def completed_task(store: Store, plan: TaskPlan, plan_id: str) -> TaskResult | N
     Args:
         store: the dataset root.
         plan: the task's part of the plan.
-        plan_id: the plan's fingerprint: a fragment of another plan is not this task's.
+        plan_id: the task's fingerprint (``plan.fingerprint``): a fragment of another plan is
+            not this task's.
 
     Returns:
         The earlier run's result (``reused=True``), or None when the task must be (re)done.

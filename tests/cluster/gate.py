@@ -10,6 +10,7 @@ plan: a plain rerun resumes it.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from pathlib import Path
@@ -59,8 +60,15 @@ class Gate:
         self.held = {it.key for it in items[self.held_from:]}
         return items
 
+    def _held(self) -> set[str]:
+        # A pack that plans as the source is listed pickles the gate into tasks before the
+        # listing ends: each copy lists the (local, small) source itself, once.
+        if self.held is None:
+            self.held = {it.key for it in self.inner.list_items()[self.held_from:]}
+        return self.held
+
     def load(self, item: Any) -> Any:
-        if self.held is None or item.key in self.held:
+        if item.key in self._held():
             import ray
 
             node = ray.get_runtime_context().get_node_id()
@@ -73,6 +81,17 @@ class Gate:
                     or len(marked_nodes(self.marks)) < self.nodes):
                 time.sleep(0.05)
         return self.inner.load(item)
+
+    @property
+    def storage_options(self) -> Any:
+        """The wrapped source's: the Ray engine pins the driver's S3 endpoint into a copy of the
+        source for its tasks, which must reach the wrapped source (AttributeError if it has none)."""
+        return self.inner.storage_options
+
+    @storage_options.setter
+    def storage_options(self, value: Any) -> None:
+        self.inner = copy.copy(self.inner)  # the driver's own source keeps its options
+        self.inner.storage_options = value
 
     def __getattr__(self, name: str) -> Any:
         # describe(), labels(), listing ...: the wrapped source's (never recurse while unpickling).

@@ -26,7 +26,7 @@ from shardkit.packing.sources import ImageFolderSource
 
 from gate import marked_nodes  # tests/cluster and tests/pack, on sys.path by conftest
 from raycluster import RayCluster
-from test_pack_ray import compare_datasets, image_folder
+from test_pack_ray import compare_datasets, image_folder, list_objects
 
 pytestmark = [pytest.mark.s3, pytest.mark.ray, pytest.mark.slow]
 
@@ -137,6 +137,99 @@ def test_killed_driver_rerun_completes_identical(tmp_path, ray_cluster, s3_serve
     a, _ = compare_datasets(dest, f"{s3_bucket}/local", opts)
     assert a.num_samples == 60
     a.verify(deep=True)
+
+
+def _put_tree(s3_server: Any, local: Path, url: str) -> None:
+    """Upload every file under ``local`` to the prefix ``url``, 10 PUTs at once (the client's pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardkit.storage.store import Store
+
+    client = Store(url, s3_server.storage_options()).boto3_client()
+    bucket, _, prefix = url[5:].partition("/")
+    files = [p for p in sorted(local.rglob("*")) if p.is_file()]
+
+    def put(path: Path) -> None:
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{path.relative_to(local).as_posix()}", Body=path.read_bytes())
+
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(put, files))
+
+
+def _same_but_source(a_url: str, b_url: str, opts: dict[str, Any]) -> Any:
+    """Byte-identical shards and shard rows, equal sample rows but for ``source`` (where each
+    sample came from: a URL on one side, a path on the other)."""
+    a = shardkit.open_dataset(a_url, storage_options=opts)
+    b = shardkit.open_dataset(b_url, storage_options=opts)
+    assert a.shards.equals(b.shards) and list_objects(a) == list_objects(b)
+    assert a.samples.drop_columns(["source"]).equals(b.samples.drop_columns(["source"]))
+    return a
+
+
+def test_sources_in_s3_pack_on_both_nodes_identical_to_local_disk(tmp_path, ray_cluster, s3_server, s3_bucket):
+    """The must-show of packing from object storage on a real cluster: an ImageFolder of 1,000
+    objects (one per image), a file list of URLs, an HDF5 file and a Zarr group, each in
+    SeaweedFS, packed by the Ray engine of a driver on the 2-node cluster with tasks on both
+    nodes (each pack's loads held until both nodes reached them), byte-identical to the local
+    engine's pack of the same input from local disk. (20,000 objects: benchmarks/bench_cluster_pack.py.)"""
+    import h5py
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zarr
+
+    opts = s3_server.storage_options()
+    raw = f"{s3_bucket}/raw"
+    imgs = image_folder(tmp_path / "imgs", count=1000, side=24)
+    _put_tree(s3_server, imgs, f"{raw}/imgs")
+    listed = image_folder(tmp_path / "listed", count=60, side=48, seed=3)
+    _put_tree(s3_server, listed, f"{raw}/listed")
+    files = sorted(p.relative_to(listed).as_posix() for p in listed.rglob("*.jpg"))
+    keys = [f.replace("/", "_").rsplit(".", 1)[0] for f in files]
+    pq.write_table(pa.table({"path": [str(listed / f) for f in files], "key": keys}), tmp_path / "disk.parquet")
+    data = tmp_path / "data"  # what goes to S3 beside the images: the URL list, the HDF5 file, the Zarr group
+    data.mkdir()
+    (data / "urls.csv").write_text("path,key\n" + "".join(f"{raw}/listed/{f},{k}\n" for f, k in zip(files, keys)))
+    rng = np.random.default_rng(0)
+    with h5py.File(data / "vol.h5", "w") as f:
+        f.create_dataset("images", data=rng.integers(0, 255, (30, 8, 8), dtype=np.uint8), chunks=(4, 8, 8),
+                         compression="gzip")
+        f.create_dataset("labels", data=np.arange(30, dtype=np.int64))
+    group = zarr.open_group(str(data / "cube.zarr"), mode="w")
+    group.create_array("x", shape=(40, 16), chunks=(7, 16), dtype="<f4")[:] = rng.standard_normal((40, 16))
+    group.create_array("y", shape=(40,), chunks=(16,), dtype="<i8")[:] = np.arange(40) * 7
+    _put_tree(s3_server, data, raw)
+    image_bytes = sum(p.stat().st_size for p in imgs.rglob("*.jpg"))
+    one_shard_a_task = {"task_bytes": "1"}
+    packs: dict[str, tuple[str, str, dict[str, Any]]] = {  # name: (source in S3, the same on disk, options)
+        "imagefolder": (f"{raw}/imgs/", str(imgs), {"labels_from_dirs": True, "shard_bytes": image_bytes // 12}),
+        "filelist": (f"{raw}/urls.csv", str(tmp_path / "disk.parquet"), {"shard_bytes": "24KB", **one_shard_a_task}),
+        "hdf5": (f"{raw}/vol.h5", str(data / "vol.h5"), {"hdf5_rows": "images,labels", "shard_samples": 6,
+                                                          **one_shard_a_task}),
+        "zarr": (f"{raw}/cube.zarr", str(data / "cube.zarr"), {"zarr_rows": "x,y", "shard_samples": 8,
+                                                                **one_shard_a_task}),
+    }
+    specs = []
+    for name, (remote, local, kw) in packs.items():
+        (tmp_path / f"marks-{name}").mkdir()
+        specs.append({"source": remote, "dest": f"{s3_bucket}/ray-{name}", "marks": str(tmp_path / f"marks-{name}"),
+                      **kw})
+    (tmp_path / "specs.json").write_text(json.dumps(specs))
+    driver = subprocess.run([sys.executable, str(HERE / "pack_many.py"), str(tmp_path / "specs.json")],
+                            env=_driver_env(ray_cluster, s3_server), cwd=REPO, capture_output=True, timeout=300)
+    assert driver.returncode == 0, driver.stderr.decode()[-3000:]
+    summaries = dict(zip(packs, json.loads(driver.stdout.decode().strip().splitlines()[-1])))
+    head, worker = ray_cluster.head.node_id, ray_cluster.worker.node_id
+    for name, (remote, local, kw) in packs.items():
+        info = summaries[name]
+        assert set(info["nodes"]) == {head, worker}, (name, info)
+        assert sum(info["nodes"].values()) == info["tasks"] >= 4, (name, info)
+        shardkit.pack(local, f"{s3_bucket}/local-{name}", engine="local", storage_options=opts, progress=False, **kw)
+        a = _same_but_source(f"{s3_bucket}/ray-{name}", f"{s3_bucket}/local-{name}", opts)
+        assert a.num_samples == {"imagefolder": 1000, "filelist": 60, "hdf5": 30, "zarr": 40}[name]
+    # An ImageFolder's source column holds the same relative paths on both sides, and the labels agree.
+    a, b = (shardkit.open_dataset(f"{s3_bucket}/{side}-imagefolder", storage_options=opts) for side in ("ray", "local"))
+    assert a.samples.equals(b.samples) and a.info["labels"] == b.info["labels"] and len(a.info["labels"]) >= 3
 
 
 def test_killed_worker_node_tasks_redone_on_head(tmp_path, ray_cluster, s3_server, s3_bucket):

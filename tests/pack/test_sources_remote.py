@@ -89,9 +89,13 @@ def imagefolder(s3_server, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a loaded 2-core machine put the 2,000 objects at ~15/s
-def test_imagefolder_of_objects_packs_like_the_local_folder(imagefolder, s3_server, s3_bucket):
+def test_imagefolder_of_objects_packs_like_the_local_folder(imagefolder, s3_server, s3_bucket, monkeypatch):
     """2,000 objects in class folders (and nested folders) pack to the same shard bytes and
-    manifest rows as the same folder on disk."""
+    manifest rows as the same folder on disk. Tasks are sized from the first 300 items, so most
+    are planned and packed while the objects are still being listed."""
+    from shardkit.packing import plan
+
+    monkeypatch.setattr(plan, "PLAN_WINDOW", 300)
     local, url = imagefolder
     so = s3_server.storage_options()
     shardkit.pack(str(local), f"{s3_bucket}/from-disk", labels_from_dirs=True, shard_bytes="200KB",

@@ -15,7 +15,7 @@ from shardkit.errors import ConfigError
 from shardkit.packing.engines.local import LocalEngine
 from shardkit.packing.engines.ray import INSTALL_HINT as RAY_INSTALL_HINT
 from shardkit.packing.engines.ray import RayEngine
-from shardkit.packing.plan import PackPlan
+from shardkit.packing.plan_stream import Feed
 from shardkit.packing.sources.base import Source
 from shardkit.packing.task import PackOptions, TaskResult
 from shardkit.storage.store import Store
@@ -32,14 +32,14 @@ class Engine(Protocol):
         """Reach what runs the tasks, before the pack changes anything at its destination."""
         ...
 
-    def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+    def run(self, store: Store, src: Source, plan: Feed, opts: PackOptions, show: bool,
             check: Callable[[], None]) -> list[TaskResult]:
-        """Run every task of the plan.
+        """Run every task of the plan, each as soon as it is planned.
 
         Args:
             store: the destination.
             src: the source.
-            plan: the pack's plan.
+            plan: the pack's plan, or its tasks as a listing plans them.
             opts: the pack's options.
             show: show a progress bar on stderr.
             check: called before each task; raises once another pack took the destination over.

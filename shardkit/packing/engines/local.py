@@ -1,7 +1,8 @@
 """The local engine: a pack's tasks one after another in this process.
 
 One upload thread serves the whole pack, so a task's last shard and its fragment upload while
-the next task reads and frames its samples.
+the next task reads and frames its samples. Tasks run as they are planned: with a plan made as
+the source is listed, packing starts while the listing goes on.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from shardkit.format.manifest import fragment_name
-from shardkit.packing.plan import PackPlan
+from shardkit.packing.plan_stream import Feed
 from shardkit.packing.progress import Progress
 from shardkit.packing.sources.base import Source
 from shardkit.packing.task import PackOptions, TaskResult, completed_task, run_task
@@ -27,14 +28,14 @@ class LocalEngine:
     def start(self) -> None:
         """Nothing to reach: the tasks run here."""
 
-    def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+    def run(self, store: Store, src: Source, plan: Feed, opts: PackOptions, show: bool,
             check: Callable[[], None]) -> list[TaskResult]:
-        """Run the plan's tasks in order.
+        """Run the plan's tasks in order, each as soon as it is planned.
 
         Args:
             store: the destination.
             src: the source.
-            plan: the pack's plan.
+            plan: the pack's plan, or its tasks as a listing plans them.
             opts: the pack's options.
             show: show a progress bar on stderr.
             check: called before each task; raises once another pack took the destination over.
@@ -44,7 +45,7 @@ class LocalEngine:
 
         Raises:
             DatasetExistsError: from ``check``.
-            SourceError: a bad input (``on_error="raise"``).
+            SourceError: a bad input (``on_error="raise"``), or the listing failed.
             StorageError: a write failed.
         """
         results = []
@@ -52,15 +53,16 @@ class LocalEngine:
         stored = _stored_fragments(store)
         uploader = Uploader()
         try:
-            with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack", enabled=show) as bar:
-                for task in plan.tasks:
+            with Progress(plan.num_items, plan.total_bytes, plan.num_tasks, "pack", enabled=show) as bar:
+                for planned in plan:
+                    task = planned.task
                     check()  # stop writing as soon as another pack has taken the destination over
-                    done = completed_task(store, task, plan.plan_id) if fragment_name(task.task) in stored else None
+                    done = completed_task(store, task, task.fingerprint) if fragment_name(task.task) in stored else None
                     if done is None:
-                        done = run_task(store, src, task, plan.items[task.start:task.stop], plan.plan_id, opts,
-                                        bar.advance, uploader)
+                        done = run_task(store, src, task, planned.items, task.fingerprint, opts, bar.advance, uploader)
                     else:
                         bar.advance(done.samples, done.bytes)
+                    bar.set_totals(plan.num_items, plan.num_tasks)
                     bar.task_done()
                     results.append(done)
                 uploader.close()  # inside the bar: it finishes with the last upload

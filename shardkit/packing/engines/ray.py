@@ -15,10 +15,11 @@ import json
 import logging
 import os
 import socket
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from shardkit.errors import ConfigError, ShardkitError
-from shardkit.packing.plan import PackPlan, TaskPlan
+from shardkit.packing.plan import PlannedTask, TaskPlan
+from shardkit.packing.plan_stream import Feed
 from shardkit.packing.progress import Progress
 from shardkit.packing.sources.base import Source, SourceItem
 from shardkit.packing.sources.table import TableSource
@@ -33,6 +34,9 @@ __all__ = ["INSTALL_HINT", "RayEngine", "ensure_ray", "for_tasks", "probe_ray_ad
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# run_bounded's end of work (any value, None or 0 included, may be a piece of work).
+_NO_MORE = object()
 
 INSTALL_HINT = "engine='ray' needs Ray: pip install 'shardkit[ray]'"
 # Set before Ray starts: a local cluster on this machine only, and no usage reporting.
@@ -132,13 +136,12 @@ def for_tasks(src: Source) -> Source:
     return src
 
 
-def _remote_task(store: Store, source: Source, task: TaskPlan, items: list[SourceItem], plan_id: str,
-                 opts: PackOptions) -> TaskResult:
+def _remote_task(store: Store, source: Source, task: TaskPlan, items: list[SourceItem], opts: PackOptions) -> TaskResult:
     # Skip work a killed earlier attempt (or a retry of this task) already finished.
-    done = completed_task(store, task, plan_id)
+    done = completed_task(store, task, task.fingerprint)
     if done is not None:
         return done
-    result = run_task(store, source, task, items, plan_id, opts)
+    result = run_task(store, source, task, items, task.fingerprint, opts)
     result.node = _node_id()
     return result
 
@@ -151,14 +154,14 @@ def _node_id() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
-def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+def _run_tasks_on_ray(store: Store, src: Source, plan: Feed, opts: PackOptions, show: bool,
                       address: str | None, check: Callable[[], None] | None = None) -> list[TaskResult]:
-    """Run the plan's tasks on Ray, at most a few per CPU at once.
+    """Run the plan's tasks on Ray as they are planned, at most a few per CPU at once.
 
     Args:
         store: the destination.
         src: the source (pickled into every task: URLs, paths and options only).
-        plan: the pack's plan.
+        plan: the pack's plan, or its tasks as a listing plans them.
         opts: the pack's options.
         show: show a progress bar on stderr.
         address: the Ray cluster (see :func:`ensure_ray`).
@@ -170,6 +173,7 @@ def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptio
 
     Raises:
         ShardkitError: a task's own error (a bad input, a failed write), or Ray's.
+        SourceError: the listing failed.
     """
     ray = ensure_ray(address)
     # The tasks write where this driver plans and commits, whatever endpoint their nodes'
@@ -177,22 +181,23 @@ def _run_tasks_on_ray(store: Store, src: Source, plan: PackPlan, opts: PackOptio
     store = Store(store.url, with_env_location(store.url, store.storage_options))
     src = for_tasks(src)
     remote = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=[ConnectionError, TimeoutError])(_remote_task)
-    items = plan.items
 
-    def submit(task: TaskPlan) -> Any:
-        return remote.remote(store, src, task, items[task.start:task.stop], plan.plan_id, opts)
+    def submit(planned: PlannedTask) -> Any:
+        return remote.remote(store, src, planned.task, planned.items, opts)
 
-    with Progress(len(plan.items), plan.total_bytes, len(plan.tasks), "pack (ray)", enabled=show) as bar:
-        results = run_bounded(ray, list(plan.tasks), submit, bar, check)
-    return [results[t.task] for t in plan.tasks]
+    with Progress(plan.num_items, plan.total_bytes, plan.num_tasks, "pack (ray)", enabled=show) as bar:
+        results = run_bounded(ray, plan, submit, bar, check, lambda: bar.set_totals(plan.num_items, plan.num_tasks))
+    return [results[t] for t in sorted(results)]
 
 
-def run_bounded(ray: Any, todo: list[T], submit: Callable[[T], Any], bar: Progress,
-                check: Callable[[], None] | None = None) -> dict[int, TaskResult]:
+def run_bounded(ray: Any, todo: Iterable[T], submit: Callable[[T], Any], bar: Progress,
+                check: Callable[[], None] | None = None, on_done: Callable[[], None] | None = None
+                ) -> dict[int, TaskResult]:
     """Submit ``todo`` as Ray tasks in order, at most two per cluster CPU in flight, and collect them.
 
-    Planned tasks and a parts source's parts both run through this loop. On any failure the
-    tasks still in flight are cancelled before the error propagates.
+    Planned tasks (as a listing plans them: the next is taken only when there is room) and a
+    parts source's parts both run through this loop. On any failure the tasks still in flight
+    are cancelled before the error propagates.
 
     Args:
         ray: the initialised ``ray`` module (:func:`ensure_ray`).
@@ -201,6 +206,7 @@ def run_bounded(ray: Any, todo: list[T], submit: Callable[[T], Any], bar: Progre
         bar: advanced by each finished task's samples and bytes.
         check: called before each submission (the pack's claim: it raises once another pack
             took the destination over).
+        on_done: called after each finished task (the bar's totals, once a listing ended).
 
     Returns:
         Task (or part) index -> its result.
@@ -211,13 +217,20 @@ def run_bounded(ray: Any, todo: list[T], submit: Callable[[T], Any], bar: Progre
     max_in_flight = max(2, int(ray.cluster_resources().get("CPU", 2)) * 2)
     results: dict[int, TaskResult] = {}
     pending: list[Any] = []
-    queue = list(todo)
+    queue = iter(todo)
+    more = True
     try:
-        while queue or pending:
-            while queue and len(pending) < max_in_flight:
+        while more or pending:
+            while more and len(pending) < max_in_flight:
+                work = next(queue, _NO_MORE)
+                if work is _NO_MORE:
+                    more = False
+                    break
                 if check is not None:
                     check()
-                pending.append(submit(queue.pop(0)))
+                pending.append(submit(work))  # type: ignore[arg-type]
+            if not pending:
+                break
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
                 pending.remove(ref)
@@ -230,6 +243,8 @@ def run_bounded(ray: Any, todo: list[T], submit: Callable[[T], Any], bar: Progre
                     raise
                 results[res.task] = res
                 bar.advance(res.samples, res.bytes)
+                if on_done is not None:
+                    on_done()
                 bar.task_done()
     except BaseException:
         for other in pending:
@@ -259,14 +274,14 @@ class RayEngine:
         """
         ensure_ray(self.address)
 
-    def run(self, store: Store, src: Source, plan: PackPlan, opts: PackOptions, show: bool,
+    def run(self, store: Store, src: Source, plan: Feed, opts: PackOptions, show: bool,
             check: Callable[[], None]) -> list[TaskResult]:
-        """Run the plan's tasks on Ray, at most two per cluster CPU in flight.
+        """Run the plan's tasks on Ray as they are planned, at most two per cluster CPU in flight.
 
         Args:
             store: the destination.
             src: the source (pickled into every task: URLs, paths and options only).
-            plan: the pack's plan.
+            plan: the pack's plan, or its tasks as a listing plans them.
             opts: the pack's options.
             show: show a progress bar on stderr.
             check: called before each task is submitted; raises once another pack took the

@@ -25,6 +25,7 @@ from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.format.fields import IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
+from shardkit.packing.sources.keys import unique_keys
 from shardkit.packing.sources.listing import walk_objects
 from shardkit.packing.sources.objects import Objects, ReadAhead, ReadsAhead, is_url, join_url
 from shardkit.packing.sources.walk import walk_in_order
@@ -156,12 +157,8 @@ def ensure_unique(items: list[SourceItem], where: str) -> None:
     Raises:
         SourceError: naming the key and both inputs.
     """
-    seen: set[str] = set()  # keys only (a set of the items' own strs): 20 M of them
-    for it in items:
-        if it.key in seen:
-            first = next(other.ref for other in items if other.key == it.key)
-            raise SourceError(f"duplicate key {it.key!r} in {where}: {first} and {it.ref}")
-        seen.add(it.key)
+    for _ in unique_keys(items, where, lambda: items):
+        pass
 
 
 class FolderRoot(ReadsAhead):
@@ -254,6 +251,24 @@ class FolderSource(FolderRoot):
             SourceError: it holds no files, two files of a sample are one field, two samples
                 share a key, or a file name is no ``<key>.<field>`` (unless skipped).
         """
+        return list(self.iter_items())
+
+    def iter_items(self) -> Iterator[SourceItem]:
+        """:meth:`list_items`, streamed as the folder is walked (the packer plans tasks as they come).
+
+        A bad file name, or two files of one field, is reported once the walk ended (after
+        the items before it were yielded), as :meth:`list_items` reports it.
+
+        Returns:
+            An iterator of the items, in key order.
+
+        Raises:
+            SourceNotFoundError: the folder does not exist.
+            SourceError: as :meth:`list_items`.
+        """
+        return unique_keys(self._items(), self.root, self._items)
+
+    def _items(self) -> Iterator[SourceItem]:
         # One streamed pass over the files in sample order (by key, then path, so that each
         # sample's files are next to each other), no per-file objects kept: a folder of tens
         # of millions of files must list in bounded memory on the driver.
@@ -265,7 +280,7 @@ class FolderSource(FolderRoot):
         self.listing.skipped.clear()
         bad: list[str] = []  # names that are no <key>.<field>: reported once listed, in path order
         clash = None  # the first sample with two files of one field: raised after the bad names
-        items: list[SourceItem] = []
+        listed = 0
         members: list[tuple[str, int]] = []
         raw = None
         for rel, size in chain(self._walk("", _sample_entry, bad), ((None, 0),)):
@@ -281,8 +296,9 @@ class FolderSource(FolderRoot):
                 else:
                     # A JSON list of the files: names may hold any character but "/" and NUL.
                     key = safe_key(raw)  # type: ignore[arg-type]
-                    items.append(SourceItem(ref=json.dumps([r for r, _ in members]),
-                                            nbytes=item_bytes(key, zip(fields, (s for _, s in members))), key=key))
+                    listed += 1
+                    yield SourceItem(ref=json.dumps([r for r, _ in members]),
+                                     nbytes=item_bytes(key, zip(fields, (s for _, s in members))), key=key)
                 members = []
             raw = key_of
             members.append((rel, size))  # type: ignore[arg-type]
@@ -290,12 +306,10 @@ class FolderSource(FolderRoot):
             where = self._where(rel)
             self.listing.bad(where, f"cannot group {where} into a sample: name it <key>.<field> "
                                     "(e.g. 0001.jpg), or pack with --on-error skip to leave it out")
-        if not items and clash is None:
+        if not listed and clash is None:
             raise SourceError(f"source {root} holds no files")
         if clash is not None:
             raise clash
-        ensure_unique(items, self.root)
-        return items
 
     def load(self, item: SourceItem) -> PackSample:
         """Read one sample's files.

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from shardkit.errors import SourceError
 from shardkit.format.fields import PACK_IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, safe_key
 from shardkit.packing.sources.base import SourceItem, item_bytes
-from shardkit.packing.sources.files import FolderRoot, check_root, ensure_unique, text_name
+from shardkit.packing.sources.files import FolderRoot, check_root, text_name
+from shardkit.packing.sources.keys import unique_keys
 from shardkit.packing.sources.listing import list_dir, walk_objects
 from shardkit.packing.sources.walk import walk_in_order
 
@@ -77,28 +78,46 @@ class ImageFolderSource(FolderRoot):
         Raises:
             SourceError: no class folders, no images, or two images share a key.
         """
+        return list(self.iter_items())
+
+    def iter_items(self) -> Iterator[SourceItem]:
+        """:meth:`list_items`, streamed as the class folders are listed (the packer plans tasks
+        as they come).
+
+        Returns:
+            An iterator of the items, in order.
+
+        Raises:
+            SourceError: as :meth:`list_items`.
+        """
+        return unique_keys(self._items(), self.root, self._items)
+
+    def _items(self) -> Iterator[SourceItem]:
         classes = self.classes()
         root = self.root
         loose = [name for name in self._loose if os.path.splitext(name)[1].lower() in _IMAGE_SUFFIXES]
         if loose:  # as torchvision's ImageFolder, but said out loud: they are not packed
             log.warning("%d image(s) directly under %s (e.g. %s) are in no class directory and are left out "
                         "(--labels-from-dirs reads root/<class>/<image>)", len(loose), root, sorted(loose)[0])
-        items: list[SourceItem] = []
         # Every class's images, class by class: the class folders of a URL are listed in parallel.
         if self.remote:
             found = walk_objects(self.objects, self.root, _image_entry, tops=classes)
         else:
             found = ((f"{cls}/{rel}", size) for cls in classes for rel, size in walk_in_order(f"{root}/{cls}", _image_entry))
         index = {cls: i for i, cls in enumerate(classes)}
-        for full, size in found:
-            cls_field = ("cls", len(str(index[full.partition("/")[0]])))
-            key = safe_key(full)
-            items.append(SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)),
-                                    key=key))
-        if not items:
+        listed = 0
+        try:
+            for full, size in found:
+                cls_field = ("cls", len(str(index[full.partition("/")[0]])))
+                key = safe_key(full)
+                listed += 1
+                yield SourceItem(ref=full, nbytes=item_bytes(key, ((_image_field(full), size), cls_field)), key=key)
+        finally:
+            close = getattr(found, "close", None)
+            if close is not None:
+                close()  # a walk of objects stops its listing threads
+        if not listed:
             raise SourceError(f"source {root} holds no images")
-        ensure_unique(items, self.root)
-        return items
 
     def load(self, item: SourceItem) -> PackSample:
         """Read one image.
