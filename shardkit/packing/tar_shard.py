@@ -1,12 +1,14 @@
 """One WebDataset tar shard being written: samples framed as tar members, hashed, and sent to
 storage in parts.
 
-Bytes gather in parts of ``PART_BYTES`` that one background thread
-(:class:`~shardkit.packing.upload.Uploader`) writes in order, as a single PUT for a shard of
-one part and a multipart upload otherwise (boto3 on S3), or a temp file renamed at the end on
-local disk. No shard is held whole in memory unless it fits in one part. While bytes go out
-they are hashed: xxh3-64 per sample (the range ``[offset, offset+size)``), per 1 MiB block of
-samples larger than that (:mod:`shardkit.format.checksums`), and xxh3-128 per shard file.
+Bytes gather in parts of ``PART_BYTES`` that background threads
+(:class:`~shardkit.packing.upload.Uploader`) write, as a single PUT for a shard of one part and
+a multipart upload otherwise (boto3 on S3; two parts upload side by side), or a temp file
+renamed at the end on local disk. No shard is held whole in memory unless it fits in one part.
+While bytes go out they are hashed: xxh3-64 per sample (the range ``[offset, offset+size)``),
+per 1 MiB block of samples larger than that (:mod:`shardkit.format.checksums`), and xxh3-128
+per shard file. A small sample is copied into the part whole and hashed there in one call per
+hash; the rest go piece by piece.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from shardkit.storage.store import Store
 
 __all__ = ["PART_BYTES", "TarShard"]
 
-# The part size: the writer holds one part filling plus the uploader's INFLIGHT_BYTES queued or
-# uploading. Larger parts send big shards in fewer requests but raise the pack's peak memory
-# past the bound tests/pack/test_pack_ray.py checks while packing 300 MB samples (see
-# benchmarks/RESULTS.md).
-PART_BYTES = 16 * 2**20
+# The part size: the writer holds one part filling plus the uploader's INFLIGHT_BYTES (two
+# parts) queued or uploading. Two parts of 8 MiB uploading side by side packed as fast as two
+# of 16 MiB and faster than one of 16 MiB; 16 MiB ones would raise the pack's peak memory past
+# the bound tests/pack/test_pack_ray.py checks while packing 300 MB samples (see
+# benchmarks/RESULTS.md "Packing").
+PART_BYTES = 8 * 2**20
+# S3 takes 10,000 parts an upload: a shard's parts double in size every this many, so even a
+# shard of terabytes fits (8 GiB in parts of 8 MiB, the next 16 GiB in parts of 16 MiB, ...).
+PARTS_PER_SIZE = 1000
 
 
 class TarShard:
@@ -67,6 +73,8 @@ class TarShard:
         self._target: S3Target | FileTarget
         if store.is_object_store and store.boto3_writes():
             self._target = S3Target(store, self.path)
+            # The process's client is made (once) while the first part fills, not after.
+            self._uploader.submit(self._target.connect, parallel=True)
         elif store.is_object_store:
             self._target = FileTarget(store, self.path, self.path)
         else:
@@ -77,11 +85,13 @@ class TarShard:
         # (len == _fill) or a recycled full-size one being overwritten (len == part_bytes).
         self._buf = bytearray()
         self._fill = 0
+        self._parts = 0  # parts queued
         self.pos = 0
         self.file_hash = xxhash.xxh3_128()
         self.sample_hash = SampleHasher()
         self.rows = SampleRows()
         self.closed = False
+        self._layouts: set[tuple[str, ...]] = set()  # field names whose checks passed
 
     @property
     def bytes_written(self) -> int:
@@ -113,21 +123,47 @@ class TarShard:
             view, room = view[room:], self.part_bytes
         self._put(view)
 
-    def _put(self, data: bytes | memoryview) -> None:
-        end = self._fill + len(data)
-        if end > len(self._buf):
+    def _reserve(self, end: int) -> bytearray:
+        """The part buffer, made to hold ``end`` bytes (at most ``part_bytes``)."""
+        buf = self._buf
+        if end > len(buf):
             if end <= _GROW_LIMIT:
                 # A small shard's buffer grows with it (a tiny shard never costs a whole part).
-                self._buf += data
-                self._fill = end
-                return
-            # Past that, switch once to a full-size part (the spare one if the uploader has it):
-            # growing by reallocation would copy tens of MB and briefly hold two copies.
-            full = self._uploader.take_buffer(self.part_bytes)
-            full[:self._fill] = memoryview(self._buf)[:self._fill]
-            self._buf = full
-        self._buf[self._fill:end] = data  # same length: a plain copy, no resize
+                buf += bytes(end - len(buf))
+            else:
+                # Past that, switch once to a full-size part (a spare one if the uploader has
+                # it): growing by reallocation would copy tens of MB and briefly hold two copies.
+                full = self._uploader.take_buffer(self.part_bytes)
+                full[:self._fill] = memoryview(buf)[:self._fill]
+                self._buf = buf = full
+        return buf
+
+    def _put(self, data: bytes | memoryview) -> None:
+        end = self._fill + len(data)
+        self._reserve(end)[self._fill:end] = data  # same length: a plain copy, no resize
         self._fill = end
+
+    def _put_sample(self, pieces: list[bytes], total: int) -> int:
+        """Copy a small sample's pieces into the part (they fit) and hash them there, each hash
+        in one call; returns the sample's xxh3-64 (what :class:`SampleHasher` gives for a
+        sample of one block or less)."""
+        fill = self._fill
+        end = fill + total
+        buf = self._reserve(end)
+        at = fill
+        for piece in pieces:
+            nxt = at + len(piece)
+            buf[at:nxt] = piece
+            at = nxt
+        view = memoryview(buf)[fill:end]
+        try:
+            self.file_hash.update(view)
+            checksum = xxhash.xxh3_64_intdigest(view)
+        finally:
+            view.release()  # a live view would pin the buffer's size
+        self._fill = end
+        self.pos += total
+        return checksum
 
     def _send(self, final: bool) -> None:
         part = self._buf
@@ -138,10 +174,12 @@ class TarShard:
                 del part[self._fill:]
             except BufferError:
                 part = bytearray(memoryview(part)[:self._fill])
-        target = self._target
-        self._uploader.submit(lambda: target.send(part, final), part)
-        # The next buffer is taken once it outgrows _GROW_LIMIT, after submit returned (the
-        # previous part is written by then and is the spare): two full buffers at most.
+        self._target.queue(self._uploader, part, final)
+        self._parts += 1
+        if self._parts % PARTS_PER_SIZE == 0:
+            self.part_bytes *= 2
+        # The next buffer is taken once it outgrows _GROW_LIMIT, after queue() returned (a part
+        # written by then is a spare): three full buffers at most (see upload.INFLIGHT_BYTES).
         self._buf = bytearray()
         self._fill = 0
 
@@ -157,33 +195,61 @@ class TarShard:
                 size.
             StorageError: an earlier part's upload failed.
         """
-        if not sample.fields:
+        fields = sample.fields
+        if not fields:
             raise SourceError(f"sample {sample.key!r} has no fields")
-        clash = case_clash(sample.fields)
-        if clash is not None:  # before any byte of it is written: with on_error="skip" it is left out
-            raise SourceError(f"sample {sample.key!r}: {case_clash_reason(*clash)}")
-        self.sample_hash.reset()
+        names = sorted(fields)
+        layout = tuple(names)
+        if layout not in self._layouts:  # most samples repeat the fields of one before them
+            clash = case_clash(names)
+            if clash is not None:  # before any byte of it is written: with on_error="skip" it is left out
+                raise SourceError(f"sample {sample.key!r}: {case_clash_reason(*clash)}")
+            for name in names:
+                check_field_name(name)
+            if len(self._layouts) < _MAX_LAYOUTS:
+                self._layouts.add(layout)
+        # The members' pieces (header, body, padding) and where each body lands in the shard.
         start = self.pos
+        at = start
+        pieces: list[Any] = []
         spans: list[dict[str, Any]] = []
-        for name in sorted(sample.fields):
-            check_field_name(name)
-            value = sample.fields[name]
-            size = value.size if isinstance(value, StreamedField) else len(value)
-            self._write(member_header(f"{sample.key}.{name}", size))
-            spans.append({"name": name, "offset": self.pos, "size": size})
+        whole = True  # every body in memory as bytes: the sample may be copied and hashed at once
+        for name in names:
+            value = fields[name]
             if isinstance(value, StreamedField):
-                _copy_stream(self, value, f"{sample.key}.{name}")
+                size, whole = value.size, False
             else:
-                self._write(value)
-            self._write(_ZEROS[:padding(size)])
+                size = len(value)
+                whole = whole and type(value) in _WHOLE_TYPES
+            header = member_header(f"{sample.key}.{name}", size)
+            at += len(header)
+            spans.append({"name": name, "offset": at, "size": size})
+            pad = padding(size)
+            at += size + pad
+            pieces.append(header)
+            # A streamed body goes with its member name, for the error if it is not its size.
+            pieces.append(_Stream(value, f"{sample.key}.{name}") if isinstance(value, StreamedField) else value)
+            if pad:
+                pieces.append(_ZEROS[:pad])
+        total = at - start
+        if whole and total <= self.sample_hash.block_bytes and self._fill + total <= self.part_bytes:
+            checksum, blocks = self._put_sample(pieces, total), None
+        else:  # streamed, big, or across a part boundary: piece by piece, hashed as they go
+            self.sample_hash.reset()
+            for piece in pieces:
+                if isinstance(piece, _Stream):
+                    _copy_stream(self, piece.field, piece.member)
+                else:
+                    self._write(piece)
+            checksum, blocks = self.sample_hash.intdigest(), self.sample_hash.blocks()
         rows = self.rows
         rows.key.append(sample.key)
         rows.shard.append(self.index)
         rows.offset.append(start)
         rows.size.append(self.pos - start)
         rows.fields.append(spans)
-        rows.checksum.append(self.sample_hash.intdigest())
-        rows.blocks.append(self.sample_hash.blocks())
+        rows.checksum.append(checksum)
+        rows.blocks.append(blocks)
         rows.meta.append(sample.meta)
         if self.on_rows is not None and len(rows) >= PIECE_ROWS:
             self.rows = SampleRows()
@@ -228,6 +294,20 @@ class TarShard:
 
 _ZEROS = bytes(512)
 _GROW_LIMIT = 2**20
+# Field-name sets a shard remembers as checked (samples rarely have more than a few).
+_MAX_LAYOUTS = 64
+# Bodies copied into a part as they are (a memoryview of wider items, or any other buffer,
+# goes through TarShard._write, which casts it to bytes).
+_WHOLE_TYPES = (bytes, bytearray)
+
+
+class _Stream:
+    """A streamed body among a sample's pieces, with its member name (for a size error)."""
+
+    __slots__ = ("field", "member")
+
+    def __init__(self, field: StreamedField, member: str) -> None:
+        self.field, self.member = field, member
 
 
 def _copy_stream(shard: TarShard, value: StreamedField, member: str) -> None:

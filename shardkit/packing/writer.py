@@ -1,8 +1,8 @@
 """ShardWriter: samples -> deterministic WebDataset tar shards + manifest rows.
 
 Shards roll over at a size or a sample count; each is a :class:`~shardkit.packing.tar_shard.TarShard`
-streamed to storage in parts through one upload thread shared by all of them, so a shard's last
-part uploads while the next one fills.
+streamed to storage in parts through one :class:`~shardkit.packing.upload.Uploader` shared by
+all of them, so a shard's last part uploads while the next one fills.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class ShardWriter:
         self.on_rows = on_rows
         self._next = first_shard
         self._current: TarShard | None = None
-        # One upload thread for all shards: a shard's last part uploads while the next fills.
+        # One uploader for all shards: a shard's last part uploads while the next fills.
         self._uploader: Uploader | None = None
         self.shards: list[ShardRecord] = []
         self.rows = SampleRows()
@@ -121,7 +121,8 @@ class ShardWriter:
                 self.rows.extend(shard.rows)
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the upload thread once every part queued so far is written.
+        """Run ``fn`` on an upload thread once every part queued so far is written (and
+        before anything queued after it).
 
         Args:
             fn: the job; skipped if an earlier upload failed. :meth:`close` waits for it and

@@ -55,7 +55,7 @@ def traced_pack(n: int, url: str, so: dict[str, Any]) -> tuple[dict[str, Any], i
     gc.collect()
     tracemalloc.start()
     try:
-        # Shards of 1 MB: a shard's part buffer stays small (bigger shards use 16 MiB parts).
+        # Shards of 1 MB: a shard's part buffer stays small (bigger shards use 8 MiB parts).
         info = shardkit.pack(tiny(n), url, shard_bytes="1MB", storage_options=so, progress=False)
         return info, tracemalloc.get_traced_memory()[1]
     finally:

@@ -238,10 +238,12 @@ def test_pack_300mb_samples_bounded_memory(tmp_path, s3_server, s3_bucket):
     """Packing two ~300 MB HDF5 samples to S3 keeps peak RSS < import baseline + 150 MB.
 
     The bound: the HDF5 reader streams 8 MiB slabs (one reused buffer + the bytes object it
-    yields, ~16 MiB), h5py's chunk cache is 32 MiB, the writer holds up to three 16 MiB part
-    buffers (filling, uploading, the reused spare), the boto3 client's service model ~20 MB
-    (boto3 itself is imported in the baseline, like s3fs and pandas), and interpreter/allocator slack:
-    ~130 MB measured here. A 300 MB sample held whole anywhere would blow through it.
+    yields, ~16 MiB), h5py's chunk cache is 32 MiB, the writer holds up to three 8 MiB part
+    buffers (filling, two uploading side by side, reused as spares) and each upload its
+    connection's buffers, the boto3 client's service model ~20 MB (boto3 itself is imported in
+    the baseline, like s3fs and pandas), and interpreter/allocator slack: ~130 MB measured here
+    (with one 16 MiB part uploading at a time, as with two 8 MiB ones). A 300 MB sample held
+    whole anywhere would blow through it.
     """
     h5py = pytest.importorskip("h5py")
     import os

@@ -316,3 +316,99 @@ def test_uploader_keeps_order_stops_at_the_first_error_and_bounds_bytes_in_fligh
         up.submit(lambda: done.append("late"))
     up.close(check=False)
     assert done == ["a", "b", "c", "cleanup"]
+
+
+def test_uploader_runs_parallel_jobs_side_by_side_and_ordered_jobs_alone() -> None:
+    """Consecutive parallel jobs (S3 parts) run at once; an ordered job (a multipart upload's
+    completion, a fragment) starts only once every job before it is done, and the jobs after
+    it wait for it."""
+    import threading
+
+    from shardkit.packing.upload import Uploader
+
+    up = Uploader(threads=2)
+    gate = threading.Event()
+    events: list[str] = []
+    b_ran = threading.Event()
+    up.submit(lambda: (gate.wait(5), events.append("a")), parallel=True)
+    up.submit(lambda: (events.append("b"), b_ran.set()), parallel=True)
+    assert b_ran.wait(5) and events == ["b"]  # b ran while a was still running
+    up.submit(lambda: events.append("c"))  # ordered
+    up.submit(lambda: events.append("d"), parallel=True)
+    threading.Event().wait(0.3)
+    assert events == ["b"]  # c waits for a; d waits for c
+    gate.set()
+    up.flush()
+    assert events == ["b", "a", "c", "d"]
+    up.close()
+
+
+def test_s3_parts_upload_side_by_side_and_land_in_order(
+        tmp_path: Path, s3_bucket: str, s3_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard of several parts has two of them uploading at once, and the object is still
+    the shard's bytes in order (the parts are numbered when queued)."""
+    import threading
+    import time
+
+    from shardkit.packing import tar_shard
+
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 5 * 2**20)
+    opts = s3_server.storage_options()  # type: ignore[attr-defined]
+    store = Store(f"{s3_bucket}/side", opts)
+    real = store.boto3_client()
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    class Slow:
+        def __getattr__(self, name: str) -> object:
+            call = getattr(real, name)
+            if name != "upload_part":
+                return call
+
+            def upload_part(**kw: object) -> object:
+                with lock:
+                    running[0] += 1
+                    running[1] = max(running)
+                time.sleep(0.3)  # long enough for the next part to be queued and started
+                try:
+                    return call(**kw)
+                finally:
+                    with lock:
+                        running[0] -= 1
+            return upload_part
+
+    monkeypatch.setattr(Store, "boto3_client", lambda self: Slow())
+    samples = _mixed_samples()
+    s3 = _write_all(store, samples, 30 * 10**6)
+    local = _write_all(Store(str(tmp_path / "local")), samples, 30 * 10**6)
+    assert running[1] == 2
+    assert s3.shards == local.shards and s3.rows.checksum == local.rows.checksum
+    for rec in local.shards:
+        assert store.read_bytes(rec.path) == Store(str(tmp_path / "local")).read_bytes(rec.path)
+
+
+def test_parts_grow_so_a_huge_shard_fits_in_the_s3_part_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every PARTS_PER_SIZE parts of one shard, its part size doubles (S3 takes 10,000 parts);
+    the shard's bytes are the same."""
+    from shardkit.packing import tar_shard
+    from shardkit.packing.upload import FileTarget
+
+    monkeypatch.setattr(tar_shard, "PART_BYTES", 64 * 2**10)
+    monkeypatch.setattr(tar_shard, "PARTS_PER_SIZE", 2)
+    sizes: list[int] = []
+    queue = FileTarget.queue
+
+    def record(self: FileTarget, uploader: object, part: bytearray, final: bool) -> None:
+        sizes.append(len(part))
+        queue(self, uploader, part, final)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileTarget, "queue", record)
+    samples = [PackSample(f"g{i}", {"bin": os.urandom(100_000 + i)}) for i in range(12)]
+    grown = _write_all(Store(str(tmp_path / "grown")), samples, 10**9)
+    k = 64 * 2**10
+    assert sizes[:-1] == [k, k, 2 * k, 2 * k, 4 * k, 4 * k, 8 * k][:len(sizes) - 1] and len(sizes) > 5
+    monkeypatch.setattr(tar_shard, "PARTS_PER_SIZE", 10**6)
+    plain = _write_all(Store(str(tmp_path / "plain")), samples, 10**9)
+    assert grown.shards == plain.shards
+    assert Store(str(tmp_path / "grown")).read_bytes(grown.shards[0].path) == \
+        Store(str(tmp_path / "plain")).read_bytes(plain.shards[0].path)

@@ -1,6 +1,6 @@
 """The local engine: a pack's tasks one after another in this process.
 
-One upload thread serves the whole pack, so a task's last shard and its fragment upload while
+One uploader serves the whole pack, so a task's last shard and its fragment upload while
 the next task reads and frames its samples. Tasks run as they are planned: with a plan made as
 the source is listed, packing starts while the listing goes on.
 """
