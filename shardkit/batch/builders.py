@@ -78,6 +78,7 @@ class BatchBuilder:
         """
         source, runs = self.source, self.runs
         decoder = make_decoder(self.decode if self.batch_size is None else (self.decode or "raw"))
+        raw = self.decode is None or self.decode == "raw"  # bytes copies made as the dict is: no decoder call
         first_sample = self.ds.first_samples
         infos = self.ds.shard_list
         chunk, tight, n = max(1, self.chunk), self.tight, 0
@@ -93,7 +94,9 @@ class BatchBuilder:
                 stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
                 keys, names, offs, sizes = rows.spans(positions[i:stop])
                 for k, p in enumerate(todo[i:stop]):
-                    sample = decoder(sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k]))
+                    sample = sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k], raw)
+                    if not raw:
+                        sample = decoder(sample)
                     n += 1
                     # Unpin before a yield after which the worker may wait on the DataLoader
                     # (tight: at every chunk end) or after which nothing is read (the last

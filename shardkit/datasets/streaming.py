@@ -14,6 +14,7 @@ import functools
 import os
 from typing import Any, Callable, Iterator
 
+from shardkit.batch import worker_slots
 from shardkit.batch.buffers import BufferPool
 from shardkit.batch.builders import BatchBuilder
 from shardkit.read.decode import make_decoder
@@ -21,6 +22,7 @@ from shardkit.batch.lookahead import LOOKAHEAD, Lookahead
 from shardkit.batch.ring import BatchRing, RingBatch
 from shardkit.config import checked_cache_dir, human_bytes, int_arg, parse_size
 from shardkit.datasets.epoch_control import ControlDir
+from shardkit.datasets.fetch_size import loader_batch_size
 from shardkit.datasets.metrics import stream_metrics
 from shardkit.datasets.source_setup import default_prefetch, fill_threads, open_source, pin_budget, readers_per_node
 from shardkit.datasets.state import check_state, make_state, resume_point
@@ -183,6 +185,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         self.decode = decode
         self.batch_size, self.drop_last = batch_size, bool(drop_last)
         self.chunk = batch_size or loader_batch_size or 1
+        # Unbatched and not told the DataLoader's batch size: learn it from a plain DataLoader's
+        # fetcher at the first sample of each epoch (see fetch_size; StreamingDataLoader says it).
+        self.chunk_from_loader = batch_size is None and loader_batch_size is None
         self.prefetch, self.verify = prefetch, verify
         self.read_threads = read_threads
         self.zero_copy = bool(zero_copy)
@@ -204,6 +209,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # into this shared ring and only small descriptors cross the worker pipe.
         self.ring: BatchRing | None = None
         self.loader_workers = 0  # the DataLoader's num_workers, when StreamingDataLoader knows it
+        # Set by StreamingDataLoader: it turns numpy batches into tensors itself, so a worker
+        # may send a batch that lies in its shared slots as it is (see batch.worker_slots).
+        self.tensors_in_main = False
         self._write_control()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -326,6 +334,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             IntegrityError: a shard or sample fails its checksum even after a fresh fetch.
             StorageError: reading from storage failed.
         """
+        self._learn_chunk()
         topo = current(self.rank, self.world_size, self._parent)
         epoch, remaining = self._read_control()
         order = (EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -338,6 +347,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if self.zero_copy and in_worker:
             raise ConfigError("zero_copy=True: iterate in the main process (DataLoader num_workers=0); "
                               "a batch of views into mapped files cannot be sent from a worker")
+        if in_worker:  # batches collated here (by the DataLoader too) go out through shared memory
+            worker_slots.activate()
         if in_main:
             self._yielded = 0
         self._stats.begin()  # a fresh worker: counters start at zero
@@ -386,7 +397,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                         continue
                     if in_main:
                         self._yielded += len(b["__key__"])
-                    yield to_torch(b if side is None else side(b))
+                    b = b if side is None else side(b)
+                    # A batch in this worker's shared slots goes as numpy arrays (the loader
+                    # makes the tensors): a tensor would be copied into new shared memory.
+                    yield b if in_worker and self.tensors_in_main and worker_slots.holds(b) else to_torch(b)
         finally:
             self._live = None
             if batches is not None:
@@ -395,6 +409,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 batches.close()  # type: ignore[attr-defined]
             source.close()  # first: it waits for a prefetch in flight, which the final stats count
             self._stats.save(source, topo, final=True)
+
+    def _learn_chunk(self) -> None:
+        """Take the batch size of the plain DataLoader pulling the first sample, if one is
+        (the first thing ``__iter__`` runs, so the fetcher is the caller's caller)."""
+        if self.chunk_from_loader and self.batch_size is None:
+            self.chunk = loader_batch_size() or self.chunk
 
     def _tick(self, source: ShardSource, samples: int, nbytes: int) -> None:
         if self._stats.count(samples, nbytes) and self._live is not None:
