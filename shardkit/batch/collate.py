@@ -64,7 +64,8 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
                                                    and v.dtype == first.dtype for v in values):
             batch[name] = None
             big.append((name, values, (n, *first.shape), first.dtype, False))
-        elif isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape for v in values):
+        elif isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape
+                                                   for v in values):
             batch[name] = np.stack(values)  # mixed dtypes: numpy's promotion, in ordinary memory
         elif isinstance(first, (int, np.integer)) and not isinstance(first, bool):
             batch[name] = np.asarray(values, dtype=np.int64)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["loader_batch_size"]
+__all__ = ["fetcher_batch_size"]
 
 _DEPTH = 6  # frames looked through: this function's caller, its callers, then the fetcher's
 
 
-def loader_batch_size() -> int | None:
+def fetcher_batch_size() -> int | None:
     """The batch size of the torch DataLoader fetch calling into the current stream, if any.
 
     Call it from the stream's ``__iter__`` body (or a method it calls), before the first sample.

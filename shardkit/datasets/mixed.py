@@ -298,7 +298,8 @@ class MixedStreamingDataset(StreamingDataset):
                 builder = BatchBuilder(ds, src, Lookahead(runs, LOOKAHEAD, src, sched[i]), batch_size=None,
                                        drop_last=self.drop_last, chunk=self.chunk, decode=self.decode, tight=tight,
                                        tick=functools.partial(self._tick, cast(ShardSource, both)), ring=None,
-                                       worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS)
+                                       worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS,
+                                       decode_threads=self.decode_threads)
                 samples.append(builder.samples())
             self._live = (cast(ShardSource, both), topo)
             mixed = _interleave(walk.labels(), samples)

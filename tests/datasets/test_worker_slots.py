@@ -49,7 +49,8 @@ def test_plain_dataloader_batches_arrive_in_shared_slots_in_the_ranks_order(
                             collate_fn=collate)
         runs[mode] = []
         for b in loader:
-            runs[mode].append({"shared": worker_slots.received(b), "items": contents(b), "index": b["__index__"].copy()})
+            runs[mode].append({"shared": worker_slots.received(b), "items": contents(b),
+                               "index": b["__index__"].copy()})
     assert all(b["shared"] == 2 for b in runs["slots"])  # "bin" and "cls", packed in one slot
     assert not any(b["shared"] for b in runs["pickled"])
     assert [b["items"] for b in runs["slots"]] == [b["items"] for b in runs["pickled"]]
