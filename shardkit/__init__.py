@@ -33,6 +33,7 @@ _LAZY = {
     "index_tars": ".packing.index",
     "annotate": ".packing.annotate",
     "unpack": ".batch.collate",
+    "collate": ".batch.collate",
     "Stream": ".read.stream",
     "Parts": ".packing.sources.parts",
     "TokenStream": ".datasets.token_stream",

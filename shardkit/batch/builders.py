@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
@@ -58,26 +58,61 @@ class BatchBuilder:
         worker: this reader's DataLoader worker id (its ring slots).
         in_worker: this reader runs in a DataLoader worker (the ring is used only there).
         buffers: the reused buffers threaded raw batches are filled into.
+        decode_threads: threads that run ``decode`` (0: the reading thread does).
     """
 
     def __init__(self, ds: Dataset, source: ShardSource, runs: Lookahead, *, batch_size: int | None,
                  drop_last: bool, chunk: int, decode: str | Decoder | None, tight: bool,
                  tick: Callable[[int, int], None], ring: BatchRing | None, worker: int, in_worker: bool,
-                 buffers: BufferPool) -> None:
+                 buffers: BufferPool, decode_threads: int = 0) -> None:
         self.ds, self.source, self.runs = ds, source, runs
         self.batch_size, self.drop_last, self.chunk = batch_size, drop_last, chunk
         self.decode, self.tight, self.tick = decode, tight, tick
         self.ring, self.worker, self.in_worker = ring, worker, in_worker
         self.buffers = buffers
+        self.decode_threads = decode_threads
 
-    def samples(self) -> Iterator[Any]:
-        """Single samples, decoded, in this reader's order.
+    def samples(self) -> Generator[Any, None, None]:
+        """Single samples, decoded, in this reader's order (by ``decode_threads`` threads, if set).
 
-        Yields:
-            The decoded sample of each position (a dict of fields for the built-in decoders).
+        Returns:
+            An iterator of the decoded sample of each position (a dict of fields for the
+            built-in decoders); close it to stop early.
         """
+        if self.decode_threads and self.decode not in (None, "raw"):
+            return self._decoded_ahead(self._samples("raw"), make_decoder(self.decode))
+        return self._samples(self.decode)
+
+    def _decoded_ahead(self, raw: Generator[dict[str, Any], None, None],
+                       decoder: Decoder) -> Generator[Any, None, None]:
+        """The samples of ``raw`` (bytes copies: nothing pinned) decoded by ``decode_threads``
+        threads, a few per thread ahead, yielded in order. With a tight cache nothing is read
+        past a DataLoader batch's end before its samples are out: ``raw`` would pin the next
+        shard while the worker waits on the loader."""
+        pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="shardkit-decode")
+        window: deque[Future[Any]] = deque()
+        ahead, chunk, pulled = 4 * self.decode_threads, max(1, self.chunk), 0
+        try:
+            while True:
+                while len(window) < ahead and not (self.tight and window and pulled % chunk == 0):
+                    sample = next(raw, None)
+                    if sample is None:
+                        break
+                    window.append(pool.submit(decoder, sample))
+                    pulled += 1
+                if not window:
+                    return
+                yield window.popleft().result()
+        finally:
+            for fut in window:
+                fut.cancel()
+            pool.shutdown(wait=True)
+            raw.close()
+
+    def _samples(self, decode: str | Decoder | None) -> Generator[Any, None, None]:
         source, runs = self.source, self.runs
-        decoder = make_decoder(self.decode if self.batch_size is None else (self.decode or "raw"))
+        decoder = make_decoder(decode if self.batch_size is None else (decode or "raw"))
+        raw = decode is None or decode == "raw"  # bytes copies made as the dict is: no decoder call
         first_sample = self.ds.first_samples
         infos = self.ds.shard_list
         chunk, tight, n = max(1, self.chunk), self.tight, 0
@@ -93,7 +128,9 @@ class BatchBuilder:
                 stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
                 keys, names, offs, sizes = rows.spans(positions[i:stop])
                 for k, p in enumerate(todo[i:stop]):
-                    sample = decoder(sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k]))
+                    sample = sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k], raw)
+                    if not raw:
+                        sample = decoder(sample)
                     n += 1
                     # Unpin before a yield after which the worker may wait on the DataLoader
                     # (tight: at every chunk end) or after which nothing is read (the last
@@ -116,12 +153,18 @@ class BatchBuilder:
         """
         source = self.source
         decoder = make_decoder(self.decode)
-        for pieces, carry, n, last in self._batch_pieces():
-            batch = collate(self._piece_samples(pieces, carry, decoder))
-            if last or self.tight:  # decoded and collated: copies, nothing refers to the shards
-                source.release_all()
-            yield batch
-            self.tick(n, self._served(pieces))
+        pool = (ThreadPoolExecutor(self.decode_threads, thread_name_prefix="shardkit-decode")
+                if self.decode_threads else None)
+        try:
+            for pieces, carry, n, last in self._batch_pieces():
+                batch = collate(self._piece_samples(pieces, carry, decoder, pool))
+                if last or self.tight:  # decoded and collated: copies, nothing refers to the shards
+                    source.release_all()
+                yield batch
+                self.tick(n, self._served(pieces))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def raw_batches(self) -> Iterator[dict[str, Any] | RingBatch]:
         """Raw batches built with numpy from the manifest offsets: one copy of the bytes.
@@ -305,10 +348,11 @@ class BatchBuilder:
             batch[f] = [np.frombuffer(smp[f], np.uint8) if f in smp else None for smp in samples]
         return batch
 
-    def _piece_samples(self, pieces: list[Run], carry: Run | None, decoder: Decoder | None = None) -> list[Any]:
+    def _piece_samples(self, pieces: list[Run], carry: Run | None, decoder: Decoder | None = None,
+                       pool: ThreadPoolExecutor | None = None) -> list[Any]:
         """The sample dicts of a batch's ``pieces``, their fields views of the held shards, or
-        each passed through ``decoder`` while its shard is held (a batch may span shards that
-        a small cache cannot hold at once)."""
+        each passed through ``decoder`` (by ``pool``'s threads, if given) while its shard is
+        held (a batch may span shards that a small cache cannot hold at once)."""
         source = self.source
         first_sample = self.ds.first_samples
         infos = self.ds.shard_list
@@ -317,5 +361,5 @@ class BatchBuilder:
             rows = source.rows(shard)
             held = source.get(shard, p, Later(pieces, i + 1, carry, self.runs))
             got = sample_dicts(held.view, held.base, rows, p, int(first_sample[shard]), infos[shard].path)
-            samples += got if decoder is None else map(decoder, got)
+            samples += got if decoder is None else pool.map(decoder, got) if pool is not None else map(decoder, got)
         return samples

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from shardkit.batch import worker_slots
+
 __all__ = ["OFFSETS", "collate", "unpack"]
 
 OFFSETS = ".offsets"  # the suffix of a packed field's boundaries: ``<field>.offsets``
@@ -25,6 +27,9 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Raw bytes fields are packed (``<field>`` + ``<field>.offsets``); arrays of one shape are
     stacked, ints become an int64 array, anything else stays a list. A field that some
     samples lack stays a list, with ``None`` for those samples (as in a zero-copy batch).
+    In a DataLoader worker of a shardkit stream, the packed and stacked arrays are written
+    into the worker's shared slots (:mod:`shardkit.batch.worker_slots`) where one is free, so
+    they reach the main process without being pickled.
 
     Args:
         samples: sample dicts, each with ``__key__`` and ``__index__``.
@@ -32,33 +37,52 @@ def collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Returns:
         The batch dict (``__shard__`` is dropped).
     """
+    n = len(samples)
     batch: dict[str, Any] = {
         "__key__": [s["__key__"] for s in samples],
-        "__index__": np.fromiter((s["__index__"] for s in samples), dtype=np.int64, count=len(samples)),
+        "__index__": np.fromiter((s["__index__"] for s in samples), dtype=np.int64, count=n),
     }
-    for name in dict.fromkeys(k for s in samples for k in s):
+    first_keys = samples[0].keys() if n else ()
+    same = all(s.keys() == first_keys for s in samples)  # the usual case: one pass finds the names
+    names = list(first_keys) if same else list(dict.fromkeys(k for s in samples for k in s))
+    big: list[tuple[str, list[Any], tuple[int, ...], Any, bool]] = []  # packed / stacked: filled below
+    for name in names:
         if name in ("__key__", "__index__", "__shard__"):
             continue
-        if any(name not in s for s in samples):
+        if not same and any(name not in s for s in samples):
             batch[name] = [s.get(name) for s in samples]
             continue
         values = [s[name] for s in samples]
         first = values[0]
         if isinstance(first, (bytes, memoryview, bytearray)):
-            sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-            offsets = np.zeros(len(values) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=offsets[1:])
-            data = np.empty(int(offsets[-1]), dtype=np.uint8)
-            for v, lo, hi in zip(values, offsets[:-1], offsets[1:]):
-                data[lo:hi] = np.frombuffer(v, dtype=np.uint8)
-            batch[name] = data
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=n), out=offsets[1:])
+            batch[name] = None  # its place in the dict; the array comes below
             batch[name + OFFSETS] = offsets
-        elif isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape for v in values):
-            batch[name] = np.stack(values)
+            big.append((name, values, (int(offsets[-1]),), np.dtype(np.uint8), True))
+        elif isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape
+                                                   and v.dtype == first.dtype for v in values):
+            batch[name] = None
+            big.append((name, values, (n, *first.shape), first.dtype, False))
+        elif isinstance(first, np.ndarray) and all(isinstance(v, np.ndarray) and v.shape == first.shape
+                                                   for v in values):
+            batch[name] = np.stack(values)  # mixed dtypes: numpy's promotion, in ordinary memory
         elif isinstance(first, (int, np.integer)) and not isinstance(first, bool):
             batch[name] = np.asarray(values, dtype=np.int64)
         else:
             batch[name] = values
+    if big:
+        slots = worker_slots.current()
+        outs = slots.take([(shape, dtype) for _, _, shape, dtype, _ in big]) if slots is not None else None
+        for k, (name, values, shape, dtype, packed) in enumerate(big):
+            out = outs[k] if outs is not None else np.empty(shape, dtype)
+            if packed:  # each body at its offset
+                bounds = batch[name + OFFSETS].tolist()
+                for v, lo, hi in zip(values, bounds, bounds[1:]):
+                    out[lo:hi] = np.frombuffer(v, dtype=np.uint8)
+            else:
+                np.stack(values, out=out)
+            batch[name] = out
     return batch
 
 

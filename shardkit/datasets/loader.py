@@ -74,6 +74,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             dataset.chunk = dataset.batch_size
         else:
             dataset.chunk = batch_size or 1
+        dataset.chunk_from_loader = False  # told here, not learned from torch's fetcher
         kwargs.setdefault("shuffle", None)  # order comes from the dataset
         if dataset.batch_size is not None:
             # The dataset's batches are already tensors: DataLoader's default_convert would only
@@ -86,6 +87,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
             kwargs.setdefault("collate_fn", _convert_writable)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
         dataset.loader_workers = self.num_workers
+        dataset.tensors_in_main = True  # a worker's batch in shared slots comes as numpy: see __iter__
         self._ring_bytes = self._ring_slot_bytes(dataset)
         why_not = self._ring_blocker(dataset)
         if handoff == "ring" and why_not:
@@ -150,6 +152,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]
         for batch in super().__iter__():
             if isinstance(batch, RingBatch):
                 batch = self._from_ring(batch)
+            elif dataset.batch_size is not None and isinstance(batch, dict):
+                batch = to_torch(batch)  # numpy arrays over a worker's shared slots; tensors pass as they are
             n = _count(batch) if self._batched else 1
             # A batch that does not say its size (a decoder's tuples, say) is a full one: the
             # workers take turns in whole batches, so only the rank's last batch is short.

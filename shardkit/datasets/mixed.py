@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterator, Sequence, cast
 
 
+from shardkit.batch import worker_slots
 from shardkit.batch.builders import BatchBuilder
 from shardkit.batch.collate import collate
 from shardkit.batch.lookahead import LOOKAHEAD, Lookahead
@@ -262,11 +263,14 @@ class MixedStreamingDataset(StreamingDataset):
             IntegrityError: a shard or sample fails its checksum even after a fresh fetch.
             StorageError: reading from storage failed.
         """
+        self._learn_chunk()
         topo, order, ranges = self._epoch_ranges()
         in_worker = not in_main_process()
         in_main = topo.num_workers == 1 and not in_worker
         if in_main:
             self._yielded = 0
+        if in_worker:  # batches collated here (by the DataLoader too) go out through shared memory
+            worker_slots.activate()
         self._stats.begin()
         cached = self.cache_dir is not None
         sched, items, needed = mixture_schedule(order, ranges, needed=not cached)
@@ -294,7 +298,8 @@ class MixedStreamingDataset(StreamingDataset):
                 builder = BatchBuilder(ds, src, Lookahead(runs, LOOKAHEAD, src, sched[i]), batch_size=None,
                                        drop_last=self.drop_last, chunk=self.chunk, decode=self.decode, tight=tight,
                                        tick=functools.partial(self._tick, cast(ShardSource, both)), ring=None,
-                                       worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS)
+                                       worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS,
+                                       decode_threads=self.decode_threads)
                 samples.append(builder.samples())
             self._live = (cast(ShardSource, both), topo)
             mixed = _interleave(walk.labels(), samples)
@@ -325,7 +330,10 @@ class MixedStreamingDataset(StreamingDataset):
             self._yielded += len(batch)
         if not all(isinstance(s, dict) for s in batch):
             return batch  # a decoder's own objects: the DataLoader's collate_fn deals with them
-        return to_torch(collate(batch))
+        out = collate(batch)
+        # A batch in this worker's shared slots goes as numpy arrays (StreamingDataLoader makes
+        # the tensors in the main process): a tensor would be copied into new shared memory.
+        return out if self.tensors_in_main and not in_main_process() and worker_slots.holds(out) else to_torch(out)
 
 
 def _interleave(labels: Iterator[int], samples: list[Iterator[Any]]) -> Iterator[Any]:

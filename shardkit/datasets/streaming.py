@@ -14,6 +14,7 @@ import functools
 import os
 from typing import Any, Callable, Iterator
 
+from shardkit.batch import worker_slots
 from shardkit.batch.buffers import BufferPool
 from shardkit.batch.builders import BatchBuilder
 from shardkit.read.decode import make_decoder
@@ -21,6 +22,7 @@ from shardkit.batch.lookahead import LOOKAHEAD, Lookahead
 from shardkit.batch.ring import BatchRing, RingBatch
 from shardkit.config import checked_cache_dir, human_bytes, int_arg, parse_size
 from shardkit.datasets.epoch_control import ControlDir
+from shardkit.datasets.fetch_size import fetcher_batch_size
 from shardkit.datasets.metrics import stream_metrics
 from shardkit.datasets.source_setup import default_prefetch, fill_threads, open_source, pin_budget, readers_per_node
 from shardkit.datasets.state import check_state, make_state, resume_point
@@ -74,6 +76,11 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         seed: the shuffle seed (0 to 2**64 - 1): the same seed and epoch give the same order
             on every rank and in every run.
         decode: ``None`` (raw bytes), ``"pil"``, ``"numpy"`` or a callable on the raw sample.
+        decode_threads: threads that run ``decode`` in each reading process (0: the reading
+            thread does). PIL and libjpeg release the GIL while they decode and resize, so with
+            ``num_workers=0`` two threads keep two cores busy without worker processes or
+            batches sent between them; in DataLoader workers that already fill the cores they
+            add nothing (see docs/guide/streaming.md and benchmarks/RESULTS.md).
         batch_size: yield whole batches built in the worker (use ``DataLoader(batch_size=None)``).
         drop_last: drop the tail so every rank gets floor(N/W) samples; otherwise ranks are
             padded to ceil(N/W) by repeating samples from the start of the epoch.
@@ -83,7 +90,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             reader holds a block's shards at once (more shards mix more, and need more cache
             room or memory).
         loader_batch_size: the DataLoader's batch size when it batches (not ``batch_size``):
-            workers then take turns in whole batches, so resume is exact.
+            workers then take turns in whole batches, so resume is exact. Without it, the
+            workers of a plain torch DataLoader read the size from its fetcher at their first
+            sample (see :mod:`shardkit.datasets.fetch_size`).
         prefetch: shards (without a cache: ~64 MiB segments) fetched ahead of need per worker, at once;
             default 4 when the stream is read in one process (``num_workers=0``), else 2.
         verify: check what is not known good against the manifest checksums: a cached shard
@@ -154,13 +163,15 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                  loader_batch_size: int | None = None, prefetch: int | None = None, verify: bool = True,
                  read_threads: int = 2, zero_copy: bool = False, rank: int | None = None,
                  world_size: int | None = None, metrics_port: int | None = None, version: int | None = None,
-                 where: str | None = None, indices: Any = None, annotations: bool = False) -> None:
+                 where: str | None = None, indices: Any = None, annotations: bool = False,
+                 decode_threads: int = 0) -> None:
         # Numbers checked before any I/O, each with its own name (a str from an argument
         # parser would otherwise fail as a bare TypeError, a float in an internal name later).
         batch_size = None if batch_size is None else int_arg("batch_size", batch_size, 1)
         loader_batch_size = None if loader_batch_size is None else int_arg("loader_batch_size", loader_batch_size, 1)
         prefetch = None if prefetch is None else int_arg("prefetch", prefetch, 0)
         read_threads = int_arg("read_threads", read_threads, 0)
+        decode_threads = int_arg("decode_threads", decode_threads, 0)
         seed, shuffle_block = int_arg("seed", seed, 0, 2**64 - 1), int_arg("shuffle_block", shuffle_block, 1)
         world_size = None if world_size is None else int_arg("world_size", world_size, 1)
         rank = None if rank is None else int_arg("rank", rank, 0)
@@ -180,9 +191,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             raise ConfigError(f"cache_limit {human_bytes(self.cache_limit)} is smaller than shard {biggest.path} "
                               f"({human_bytes(biggest.bytes)}) of {self.ds.url}; raise cache_limit")
         self.shuffle, self.seed, self.shuffle_block = bool(shuffle), seed, shuffle_block
-        self.decode = decode
+        self.decode, self.decode_threads = decode, decode_threads
         self.batch_size, self.drop_last = batch_size, bool(drop_last)
         self.chunk = batch_size or loader_batch_size or 1
+        # Unbatched and not told the DataLoader's batch size: learn it from a plain DataLoader's
+        # fetcher at the first sample of each epoch (see fetch_size; StreamingDataLoader says it).
+        self.chunk_from_loader = batch_size is None and loader_batch_size is None
         self.prefetch, self.verify = prefetch, verify
         self.read_threads = read_threads
         self.zero_copy = bool(zero_copy)
@@ -204,6 +218,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         # into this shared ring and only small descriptors cross the worker pipe.
         self.ring: BatchRing | None = None
         self.loader_workers = 0  # the DataLoader's num_workers, when StreamingDataLoader knows it
+        # Set by StreamingDataLoader: it turns numpy batches into tensors itself, so a worker
+        # may send a batch that lies in its shared slots as it is (see batch.worker_slots).
+        self.tensors_in_main = False
         self._write_control()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -326,6 +343,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             IntegrityError: a shard or sample fails its checksum even after a fresh fetch.
             StorageError: reading from storage failed.
         """
+        self._learn_chunk()
         topo = current(self.rank, self.world_size, self._parent)
         epoch, remaining = self._read_control()
         order = (EpochOrder(self.ds.shard_sizes(), epoch=epoch, seed=self.seed, shuffle=self.shuffle,
@@ -338,6 +356,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         if self.zero_copy and in_worker:
             raise ConfigError("zero_copy=True: iterate in the main process (DataLoader num_workers=0); "
                               "a batch of views into mapped files cannot be sent from a worker")
+        if in_worker:  # batches collated here (by the DataLoader too) go out through shared memory
+            worker_slots.activate()
         if in_main:
             self._yielded = 0
         self._stats.begin()  # a fresh worker: counters start at zero
@@ -368,7 +388,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             builder = BatchBuilder(self.ds, source, Lookahead(planned, LOOKAHEAD, source, sched),
                                    batch_size=self.batch_size, drop_last=self.drop_last, chunk=self.chunk,
                                    decode=self.decode, tight=tight, tick=functools.partial(self._tick, source),
-                                   ring=self.ring, worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS)
+                                   ring=self.ring, worker=topo.worker, in_worker=in_worker, buffers=_BATCH_BUFFERS,
+                                   decode_threads=self.decode_threads)
             side = with_annotations(self.ds) if self.annotations else None
             if self.batch_size is None:
                 for s in builder.samples():
@@ -386,7 +407,10 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                         continue
                     if in_main:
                         self._yielded += len(b["__key__"])
-                    yield to_torch(b if side is None else side(b))
+                    b = b if side is None else side(b)
+                    # A batch in this worker's shared slots goes as numpy arrays (the loader
+                    # makes the tensors): a tensor would be copied into new shared memory.
+                    yield b if in_worker and self.tensors_in_main and worker_slots.holds(b) else to_torch(b)
         finally:
             self._live = None
             if batches is not None:
@@ -395,6 +419,12 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
                 batches.close()  # type: ignore[attr-defined]
             source.close()  # first: it waits for a prefetch in flight, which the final stats count
             self._stats.save(source, topo, final=True)
+
+    def _learn_chunk(self) -> None:
+        """Take the batch size of the plain DataLoader pulling the first sample, if one is
+        (the first thing ``__iter__`` runs, so the fetcher is the caller's caller)."""
+        if self.chunk_from_loader and self.batch_size is None:
+            self.chunk = fetcher_batch_size() or self.chunk
 
     def _tick(self, source: ShardSource, samples: int, nbytes: int) -> None:
         if self._stats.count(samples, nbytes) and self._live is not None:

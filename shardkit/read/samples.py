@@ -55,7 +55,7 @@ def sample_dicts(view: memoryview, base: int, rows: ShardRows, positions: np.nda
 
 
 def sample_from(view: memoryview, base: int, key: str, index: int, shard_path: str, names: Sequence[str],
-                offs: list[int], sizes: list[int]) -> dict[str, Any]:
+                offs: list[int], sizes: list[int], copy: bool = False) -> dict[str, Any]:
     """A sample dict of views into ``view`` (shard byte ``base`` on) from its spans.
 
     Args:
@@ -67,11 +67,17 @@ def sample_from(view: memoryview, base: int, key: str, index: int, shard_path: s
         names: the field names.
         offs: each field's member offset in the shard.
         sizes: each field's size.
+        copy: the fields as ``bytes`` copies instead of views (raw samples handed out one by
+            one: made here, not by copying a dict of views afterwards).
 
     Returns:
         The sample dict.
     """
     sample: dict[str, Any] = {"__key__": key, "__index__": index, "__shard__": shard_path}
+    if copy:
+        for name, start, size in zip(names, offs, sizes):
+            sample[name] = view[start - base:start - base + size].tobytes()
+        return sample
     for name, start, size in zip(names, offs, sizes):
         sample[name] = view[start - base:start - base + size]
     return sample
