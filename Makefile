@@ -3,7 +3,7 @@ PY := .venv/bin/python
 ARGS ?=
 PYTEST_FLAGS ?= -q -p no:cacheprovider --durations=15
 
-.PHONY: bootstrap demo test bench lint docs clean
+.PHONY: bootstrap demo test bench bench-matrix lint docs clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh test
@@ -20,6 +20,11 @@ test: bootstrap
 bench:
 	@bash scripts/bootstrap.sh bench
 	$(PY) -m benchmarks.run $(ARGS)
+
+# shard size x sample size x loader mode x cold/warm, peers in every cell (~30 min on 2 cores)
+bench-matrix:
+	@bash scripts/bootstrap.sh bench
+	$(PY) -m benchmarks.matrix $(ARGS)
 
 lint: bootstrap
 	@if $(PY) -c 'import mypy' 2>/dev/null; then \
