@@ -53,11 +53,13 @@ MAX_SHARDS = {"tokens": 2}
 QUICK_SHARDS = {"1MB": 3, "4MB": 2}
 MODE_ORDER = ("per_sample", "workers", "threads", "zero_copy")
 # Knob rows against the defaults (StreamingDataset: prefetch 2 per worker, 4 with num_workers=0;
-# read_threads 2; shard_source.FETCH_PART_SIZE 16 MiB). read_threads matters warm as well.
+# read_threads 2; shard_source.FETCH_PART_SIZE 16 MiB). read_threads matters warm as well. Each
+# mode's defaults run again among its knob rows ({"again": 1}): a knob is compared with both
+# default rows, and their spread says how much of a difference the machine's noise makes.
 KNOBS: list[tuple[str, dict[str, int], bool]] = [
-    ("workers", {"prefetch": 1}, False), ("workers", {"prefetch": 4}, False),
+    ("workers", {"prefetch": 1}, False), ("workers", {"prefetch": 4}, False), ("workers", {"again": 1}, False),
     ("workers", {"part_mib": 8}, False), ("workers", {"part_mib": 32}, False),
-    ("threads", {"read_threads": 1}, True), ("threads", {"read_threads": 4}, True),
+    ("threads", {"read_threads": 1}, True), ("threads", {"read_threads": 4}, True), ("threads", {"again": 1}, True),
     ("threads", {"prefetch": 2}, False), ("threads", {"prefetch": 8}, False),
 ]
 PEER_ROWS = [("webdataset", "wds_pack", [("webdataset, no cache", "wds_row", False),
@@ -227,7 +229,8 @@ def run_cell(cell: dict[str, Any], z: Forker, peers: Forker | None, args: argpar
             label = f"{mode}-" + "-".join(f"{k}{v}" for k, v in knobs.items())
             reply = z_run("loader_row", {"mode": mode, "knobs": knobs, "cache_dir": str(work / f"cache-{label}"),
                                          "warm_epochs": warm if with_warm else 0}, label)
-            name = f"{MODE_NAMES[mode]}, " + ", ".join(f"{k}={v}" for k, v in knobs.items())
+            name = f"{MODE_NAMES[mode]}, " + ("defaults again" if "again" in knobs else
+                                               ", ".join(f"{k}={v}" for k, v in knobs.items()))
             rows.append(_row(cell, "shardkit", name, mode, reply, knobs))
         for tool, pack_call, loaders in (PEER_ROWS if peers else []):
             assert peers is not None
@@ -329,30 +332,35 @@ def main(argv: list[str] | None = None) -> int:
     base = {"jpeg_dir": jpeg_dir, "quick": args.quick}
     facts: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
-    try:
-        for cell in cells:
-            f, r = run_cell(cell, z, peers, args, base, logs)
-            facts.append(f)
-            rows.extend(r)
-    finally:
-        z.close()
-        if peers:
-            peers.close()
     result = {
         "command": "python -m benchmarks.matrix " + " ".join(argv if argv is not None else sys.argv[1:]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "wall_seconds": round(time.time() - started, 1),
-        "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "wall_seconds": 0.0, "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [],
         "machine": machine_facts(),
-        "versions": {"main": package_versions(MAIN_PACKAGES),
-                     "peers": peers_versions() if peers else {}},
+        "versions": {"main": package_versions(MAIN_PACKAGES), "peers": peers_versions() if peers else {}},
         "settings": {"shards": shards, "kinds": {k: KINDS[k].label for k in kinds}, "modes": args.mode_list,
                      "warm_epochs": args.warm_epochs, "knobs": not args.no_knobs, "num_workers": 2,
                      "batch": {k: KINDS[k].batch for k in kinds}, "jpegs": args.jpegs or (48 if args.quick else 2000),
                      "shuffle": False, "storage": "SeaweedFS weed mini, loopback, one server per cell"},
         "notes": notes, "cells": facts, "rows": rows,
     }
-    write_json(out / "matrix.json", result)
+
+    def save(partial: bool) -> None:
+        result.update(wall_seconds=round(time.time() - started, 1), partial=partial,
+                      load_avg_end=[round(x, 2) for x in os.getloadavg()])
+        write_json(out / "matrix.json", result)
+
+    try:
+        for cell in cells:
+            f, r = run_cell(cell, z, peers, args, base, logs)
+            facts.append(f)
+            rows.extend(r)
+            save(partial=True)  # a run cut short keeps the cells it finished (--replot draws them)
+    finally:
+        z.close()
+        if peers:
+            peers.close()
+    save(partial=False)
     print(write_outputs(result, out))
     print(f"\nwrote {out / 'matrix.json'}, {out / 'matrix.md'} and {out}/matrix-*.png "
           f"({result['wall_seconds']:.0f} s)")

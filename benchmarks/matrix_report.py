@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.matrix_data import KINDS, MODES
 
-__all__ = ["write_outputs", "markdown", "checks", "knob_summary", "charts"]
+__all__ = ["write_outputs", "markdown", "checks", "knob_summary", "rss_table", "charts"]
 
 BATCHED = ("workers", "threads", "zero_copy")  # the StreamingDataLoader modes
 
@@ -145,35 +145,76 @@ def checks_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _geo(vals: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
 def knob_summary(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each knob row against its mode's default row in the same cell (cold, and warm where run)."""
-    by: dict[tuple[str, str, int, str], list[tuple[str, float]]] = {}
+    """Each knob row against its mode's defaults in the same cell (cold, and warm where run):
+    the geometric mean of the mode's row and its "defaults again" row when the run has one.
+    The "again" rows against the mode's rows come first, as ``knob="defaults again"``: the
+    spread a knob must clear to mean anything."""
+    by: dict[tuple[str, str, Any, str], list[tuple[str, float]]] = {}
     for cell in _cells(result):
         rows = _rows(result, cell)
         for r in rows:
             if not r["knobs"] or r["status"] != "ok":
                 continue
-            base = _mode(rows, r["mode"])
-            (knob, value), = r["knobs"].items()
+            main = _mode(rows, r["mode"])
+            again = next((x for x in rows if x["mode"] == r["mode"] and "again" in x["knobs"] and x["status"] == "ok"), None)
+            knob, value = next(iter(r["knobs"].items()))
             for phase in ("cold", "warm"):
-                ratio = _ratio(_sps(r, phase), _sps(base, phase))
+                if "again" in r["knobs"]:
+                    ratio = _ratio(_sps(r, phase), _sps(main, phase))
+                    knob, value = "defaults again", ""
+                else:
+                    bases = [v for v in (_sps(main, phase), _sps(again, phase)) if v]
+                    ratio = _ratio(_sps(r, phase), _geo(bases) if bases else None)
                 if ratio:
                     by.setdefault((r["mode"], knob, value, phase), []).append((_cell_name(cell), ratio))
     out = []
-    for (mode, knob, value, phase), got in sorted(by.items()):
+    for (mode, knob, value, phase), got in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "defaults again",
+                                                                             str(kv[0][1:]))):
         vals = [v for _, v in got]
         out.append({"mode": mode, "knob": knob, "value": value, "phase": phase, "cells": len(vals),
-                    "geomean": math.exp(sum(math.log(v) for v in vals) / len(vals)), "min": min(vals), "max": max(vals),
+                    "geomean": _geo(vals), "min": min(vals), "max": max(vals),
                     "better": [c for c, v in got if v > 1.05], "worse": [c for c, v in got if v < 0.95]})
     return out
 
 
 def knobs_table(result: dict[str, Any]) -> list[str]:
-    out = ["| mode | knob = value (vs default) | phase | cells | geo-mean | min | max | >5% faster in | >5% slower in |",
+    out = ["| mode | knob = value (vs the defaults) | phase | cells | geo-mean | min | max | >5% faster in | >5% slower in |",
            "|---|---|---|---:|---:|---:|---:|---|---|"]
     for k in knob_summary(result):
-        out.append(f"| {MODES[k['mode']]} | {k['knob']} = {k['value']} | {k['phase']} | {k['cells']} | {k['geomean']:.2f}x "
+        what = k["knob"] if k["knob"] == "defaults again" else f"{k['knob']} = {k['value']}"
+        out.append(f"| {MODES[k['mode']]} | {what} | {k['phase']} | {k['cells']} | {k['geomean']:.2f}x "
                    f"| {k['min']:.2f}x | {k['max']:.2f}x | {'; '.join(k['better']) or '-'} | {'; '.join(k['worse']) or '-'} |")
+    return out
+
+
+def rss_table(result: dict[str, Any]) -> list[str]:
+    """Peak RSS per loader row across shard sizes (whose datasets differ in size: 2-4 shards)."""
+    shards = list(result["settings"]["shards"])
+    out = ["| sample size | row | " + " | ".join(f"{s} shards: dataset MB; main / worker peak RSS (anon) MB" for s in shards)
+           + " |", "|---|---|" + "---|" * len(shards)]
+    cells = {(c["shard"], c["kind"]): c for c in _cells(result)}
+    names = list(dict.fromkeys(r["name"] for r in result["rows"] if not r["knobs"] and r["mode"] != "pack"))
+    for kind in [k for k in KINDS if k in result["settings"]["kinds"]]:
+        for name in names:
+            parts = []
+            for s in shards:
+                r = next((r for r in result["rows"] if r["shard"] == s and r["kind"] == kind and r["name"] == name
+                          and not r["knobs"]), None)
+                rss, cell = (r or {}).get("rss"), cells.get((s, kind))
+                if not rss or not cell:
+                    parts.append("-")
+                    continue
+                worker = f"{rss['worker_hwm_mb']} ({rss['worker_anon_mb']})" if rss.get("worker_hwm_mb") else "-"
+                parts.append(f"{cell.get('shard_bytes_total', 0) / 1e6:,.0f}; {rss['main_hwm_mb']} ({rss['main_anon_mb']}) "
+                             f"/ {worker}")
+            if any(p != "-" for p in parts):
+                label = f"**shardkit {name}**" if name in MODES.values() else name
+                out.append(f"| {KINDS[kind].label} | {label} | " + " | ".join(parts) + " |")
     return out
 
 
@@ -184,12 +225,19 @@ def markdown(result: dict[str, Any]) -> str:
              f"load average {result['load_avg_start'][0]:.1f} at the start, {result['load_avg_end'][0]:.1f} at the end; "
              f"{result['machine']['cpu_count']} cores, {result['machine']['memory_gib']:.0f} GiB. "
              f"Warm rows: best of {st['warm_epochs']} epochs; 2 DataLoader workers where workers are used.", ""]
+    if result.get("partial"):
+        lines += ["- note: PARTIAL: the run ended before its last cell; the cells below are those it finished"]
     lines += [f"- note: {n}" for n in result.get("notes", [])]
     lines += ["", "Targets (issue 22), per cell; 'raw cold/warm' is the best StreamingDataLoader mode:", ""]
     lines += checks_table(result)
     if st.get("knobs"):
-        lines += ["", "Knobs against the defaults (samples/s of the knob row / the default row, same cell):", ""]
+        lines += ["", "Knobs against the defaults (samples/s of the knob row / of the mode's default row, or the "
+                  "geometric mean of it and its 'defaults again' row where the run has one; same cell). The "
+                  "'defaults again' line is the noise: the same settings measured twice.", ""]
         lines += knobs_table(result)
+    lines += ["", "Peak memory per process (VmHWM, with RssAnon, the private part, in brackets; every "
+              "process starts from the pages of the one it was forked from, torch imported):", ""]
+    lines += rss_table(result)
     for cell in _cells(result):
         lines += [""] + cell_table(result, cell)
     failed = [c for c in result["cells"] if "payload_bytes" not in c]
@@ -248,7 +296,7 @@ def _axis_chart(result: dict[str, Any], path: Path, by_shard: bool) -> None:
                 if phase == "warm" and key == "nocache":
                     continue
                 pts = [(i, data.get((x, panel) if by_shard else (panel, x), {}).get(key)) for i, x in enumerate(xs)]
-                pts = [(i, v * data[(xs[i], panel) if by_shard else (panel, xs[i])]["mb"]) for i, v in pts if v]
+                pts = [(i, v * (data[(xs[i], panel) if by_shard else (panel, xs[i])]["mb"] or 0.0)) for i, v in pts if v]
                 if not pts:
                     continue
                 color, marker = _STYLE.get(key if key in _STYLE else "ceiling", _STYLE["ceiling"])
@@ -262,6 +310,7 @@ def _axis_chart(result: dict[str, Any], path: Path, by_shard: bool) -> None:
             ax.set_ylabel("payload MB/s (log)", fontsize=8)
             ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7, loc="best")
+    axes[1, 0].legend(fontsize=7, loc="best")
     what = "shard size" if by_shard else "sample size"
     fig.suptitle(f"Benchmark matrix by {what} ({result['created'][:16]}Z, {result['machine']['cpu_count']} cores)",
                  fontsize=10)

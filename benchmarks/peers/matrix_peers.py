@@ -157,7 +157,7 @@ class LitSample:
     """``optimize``'s fn: input ``i`` -> sample ``i`` (the pool is loaded once per worker)."""
 
     def __init__(self, args: dict[str, Any]) -> None:
-        self.args = {k: args[k] for k in ("kind", "jpeg_dir", "quick") if k in args}
+        self.args: dict[str, Any] = {k: args[k] for k in ("kind", "jpeg_dir", "quick") if k in args}
         self.pool: list[bytes] | None = None
 
     def __call__(self, i: int) -> dict[str, Any]:
