@@ -21,7 +21,7 @@ bench:
 	@bash scripts/bootstrap.sh bench
 	$(PY) -m benchmarks.run $(ARGS)
 
-# shard size x sample size x loader mode x cold/warm, peers in every cell (~30 min on 2 cores)
+# shard size x sample size x loader mode x cold/warm, peers in every cell (about 1 h on a busy 2-core box)
 bench-matrix:
 	@bash scripts/bootstrap.sh bench
 	$(PY) -m benchmarks.matrix $(ARGS)
