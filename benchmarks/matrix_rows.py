@@ -138,6 +138,8 @@ def loader_row(args: dict[str, Any]) -> dict[str, Any]:
     if "part_mib" in knobs:
         import shardkit.read.shard_source as shard_source
 
+        if not isinstance(getattr(shard_source, "FETCH_PART_SIZE", None), int):  # never a silent no-op knob
+            raise RuntimeError("part_mib: shardkit.read.shard_source.FETCH_PART_SIZE is gone; update the matrix")
         shard_source.FETCH_PART_SIZE = int(knobs["part_mib"]) << 20
     cache = None if args["mode"] == "nocache" else args["cache_dir"]
     if cache:
