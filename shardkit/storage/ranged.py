@@ -36,7 +36,8 @@ from shardkit.storage.s3client import have_boto3, s3_client
 from shardkit.storage.store import Store
 
 __all__ = ["RangeReader", "PartCallback", "RangedReader", "StreamReader", "ByteCounter", "TOTAL", "Transport",
-           "choose_transport", "read_fully", "read_into", "read_range", "DEFAULT_PART_SIZE", "DEFAULT_CONCURRENCY"]
+           "choose_transport", "prepare", "read_fully", "read_into", "read_range", "DEFAULT_PART_SIZE",
+           "DEFAULT_CONCURRENCY"]
 
 DEFAULT_PART_SIZE = 16 * 2**20
 DEFAULT_CONCURRENCY = 8
@@ -46,6 +47,7 @@ Transport = Literal["auto", "boto3", "fsspec"]
 
 PartCallback = Callable[[int, int], None]
 """``on_part(lo, hi)``: object bytes ``[lo, hi)`` are all in the caller's buffer now."""
+_REPORT_ALIGN = 4096  # a part's progress is reported in pieces starting at multiples of this (O_DIRECT writes)
 
 
 @runtime_checkable
@@ -150,6 +152,24 @@ def choose_transport(store: Store, transport: Transport = "auto") -> str:
     return "boto3" if boto_settings(store.storage_options) is not None else "fsspec"
 
 
+def prepare(store: Store, transport: Transport = "auto") -> None:
+    """Build this process's S3 client for ``store`` now, if its ranged reads go through boto3.
+
+    DataLoader workers forked afterwards make theirs from the service model it parsed (see
+    :mod:`shardkit.storage.s3client`): a cold epoch's first reads in each worker then do not
+    wait for a client of their own to be built from scratch.
+
+    Args:
+        store: the dataset root.
+        transport: as for :func:`choose_transport`.
+
+    Raises:
+        ConfigError: as :func:`choose_transport`.
+    """
+    if choose_transport(store, transport) == "boto3":
+        s3_client(store.storage_options, max_pool=DEFAULT_CONCURRENCY)
+
+
 # --------------------------------------------------------------------------- the readers
 
 
@@ -233,8 +253,11 @@ class RangedReader:
         Args:
             start: object offset of ``out[0]``.
             out: a writable, 1-D byte view.
-            on_part: told ``(lo, hi)`` (object offsets) of each part once all of it landed, in
-                the thread that read it; parts start at ``start`` plus multiples of ``part_size``.
+            on_part: told ``(lo, hi)`` (object offsets) of each piece of a part once all of it
+                landed, in the thread that read it, pieces of a part in order: parts start at
+                ``start`` plus multiples of ``part_size``, and a piece ends at the part's end
+                or, every few MiB of it, at ``start`` plus a multiple of 4096 (a reader then
+                uses the first bytes of a part before its last ones arrive).
 
         Returns:
             ``len(out)``.
@@ -275,13 +298,18 @@ class RangedReader:
 
     def _read_part(self, open_body: Opener, out: memoryview, base: int, lo: int, hi: int,
                    on_part: PartCallback | None) -> None:
-        """Object bytes ``[lo, hi)`` into ``out[lo - base:hi - base]``, resumed after faults."""
+        """Object bytes ``[lo, hi)`` into ``out[lo - base:hi - base]``, resumed after faults;
+        ``on_part`` hears of them piece by piece (each piece at least ``_READ_CHUNK`` bytes)."""
         cursor = Cursor(open_body, self.store, self.path, hi, self._count)
-        pos = lo
+        pos = told = lo
         while pos < hi:
             pos += cursor.read(pos, out[pos - base:pos - base + min(_READ_CHUNK, hi - pos)])
+            if on_part is not None and pos < hi and pos - told >= _READ_CHUNK:
+                cut = pos - (pos - base) % _REPORT_ALIGN  # pieces start aligned as the part does
+                on_part(told, cut)
+                told = cut
         if on_part is not None:
-            on_part(lo, hi)
+            on_part(told, hi)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -21,6 +21,21 @@ __all__ = ["s3_client", "have_boto3"]
 
 _clients: dict[tuple[int, str], Any] = {}
 _clients_mu = threading.Lock()
+# botocore's data loader, kept across forks: a session given the loader of an earlier one reuses
+# the service models it parsed, and its first client costs a fraction of the process's first one
+# (which every DataLoader worker's first request would otherwise pay). Each client still gets a
+# session of its own (credentials are resolved anew); _make_mu keeps the loader to one thread
+# at a time.
+_loader: list[Any] = []
+_make_mu = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _make_mu
+    _make_mu = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,7 +56,8 @@ def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) 
     ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``/``AWS_REGION`` (via
     :func:`~shardkit.storage.options.s3_options`), then boto3's own chain (environment keys, config
     files). One client per process and settings (clients are thread-safe; a forked child
-    builds its own). Secrets are never logged: the cache key is a digest.
+    builds its own, from the session its parent kept). Secrets are never logged: the cache key
+    is a digest.
 
     Args:
         storage_options: the store's options, as given.
@@ -64,9 +80,9 @@ def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) 
             return client
     # Imported here, not at the top: `import shardkit` stays cheap for code that never reads S3.
     import boto3
+    import botocore.session
     from botocore.config import Config
 
-    session = boto3.session.Session(profile_name=settings["profile"]) if settings["profile"] else boto3.session.Session()
     cfg_kwargs = dict(settings["config_kwargs"])
     cfg_kwargs["max_pool_connections"] = max(int(cfg_kwargs.get("max_pool_connections", 10)), max_pool + 2)
     if settings["anon"]:
@@ -76,6 +92,12 @@ def s3_client(storage_options: dict[str, Any] | None = None, max_pool: int = 8) 
     if settings["key"] and not settings["anon"]:
         kwargs.update(aws_access_key_id=settings["key"], aws_secret_access_key=settings["secret"],
                       aws_session_token=settings["token"])
-    client = session.client("s3", config=Config(**cfg_kwargs), **kwargs)
+    with _make_mu:
+        core = botocore.session.Session(profile=settings["profile"] or None)
+        if _loader:
+            core.register_component("data_loader", _loader[0])
+        else:
+            _loader.append(core.get_component("data_loader"))
+        client = boto3.session.Session(botocore_session=core).client("s3", config=Config(**cfg_kwargs), **kwargs)
     with _clients_mu:
         return _clients.setdefault(cache_key, client)
