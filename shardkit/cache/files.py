@@ -9,12 +9,13 @@ import fcntl
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, cast
 from urllib.parse import quote
 
 import xxhash
 
+from shardkit.cache.progress import SampleTable
 from shardkit.errors import IntegrityError
 from shardkit.util.libc import libc_function
 
@@ -32,11 +33,15 @@ class ShardRef:
         name: shard path relative to the dataset root, e.g. ``shards/shard-000003.tar``.
         size: bytes.
         checksum: xxh3-128 hex digest of the whole file.
+        samples: its samples' spans and xxh3-64s, if the reader knows them: a parallel download
+            then verifies each sample as it lands, and readers may read it before the shard is
+            whole (``ShardCache.open(stream=True)``). Not part of the shard's identity.
     """
 
     name: str
     size: int
     checksum: str
+    samples: SampleTable | None = field(default=None, compare=False, repr=False)
 
 
 class FileLock:

@@ -200,6 +200,15 @@ class LandingPool:
             buf.opened = True
             return buf
 
+    def pin(self, buf: Landing) -> None:
+        """Pin a buffer a fill holds pinned, for a reader of the shard still landing in it.
+
+        Args:
+            buf: the buffer (:meth:`release` it when done).
+        """
+        with self._mu:
+            buf.pins += 1
+
     def release(self, buf: Landing) -> None:
         """Unpin a buffer (a fill that failed, or a reader done with it).
 

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardkit.cache.files import NO_SPACE, FileLock, list_with_stat, unlink_quiet
+from shardkit.cache.files import NO_SPACE, FileLock, list_with_stat, preallocate, unlink_quiet
 from shardkit.cache.lock_wait import wait_lock
 from shardkit.config import human_bytes
 from shardkit.errors import CacheDiskFullError, ConfigError
@@ -160,17 +160,46 @@ class CacheDir:
         """
         return os.path.join(self.root, self.ns, file)
 
-    def temp(self, file: str, size: int) -> str:
-        """This process's download of a shard.
+    def temp(self, file: str, size: int, pid: int | str | None = None) -> str:
+        """A process's download of a shard.
 
         Args:
             file: its file name.
             size: the bytes it reserves.
+            pid: the downloading process (default: this one).
 
         Returns:
             The temp file's path.
         """
-        return os.path.join(self.root, self.ns, ".tmp", f"{file}.{size}.{os.getpid()}")
+        return os.path.join(self.root, self.ns, ".tmp", f"{file}.{size}.{os.getpid() if pid is None else pid}")
+
+    def fresh_temp(self, tmp: str, size: int, quiet: bool = False) -> None:
+        """A new, empty inode under this process's temp name ``tmp`` (its reservation stays).
+
+        Readers of a shard still landing may hold the old inode open and mapped: it is never
+        cut or written over, only unlinked.
+
+        Args:
+            tmp: the temp file (the caller holds the shard's download lock).
+            size: the bytes it reserves (preallocated again).
+            quiet: log a failure instead of raising it (an error is on its way already).
+
+        Raises:
+            OSError: ENOSPC or EDQUOT (the disk has no room), or the new file cannot be made.
+            CacheLockedError: the global lock's holder made no progress.
+        """
+        try:
+            with self.locked():  # the name is gone only while the lock is held: scans never miss it
+                unlink_quiet(tmp)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                preallocate(fd, size)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            if not quiet:
+                raise
+            log.warning("cache: could not empty %s after a failed download: %s", tmp, exc)
 
     def lock_path(self, ns: str, file: str, kind: str) -> str:
         """A lock file.

@@ -3,8 +3,9 @@ is fetched once, verified whole, and kept within a byte limit.
 
 The pieces: :mod:`.layout` (the files and locks in ``cache_dir``), :mod:`.room` (reserving
 room, evicting), :mod:`.schedule` (this process's need order), :mod:`.fill` (filling a temp file
-from a :class:`~shardkit.storage.ranged.RangeReader`), :mod:`.prefetch` (background downloads)
-and :mod:`.cached_shard` (what :meth:`ShardCache.open` returns).
+from a :class:`~shardkit.storage.ranged.RangeReader`), :mod:`.prefetch` (background downloads),
+:mod:`.cached_shard` (what :meth:`ShardCache.open` returns) and :mod:`.streamed` (shards read
+while they land: what ``open(stream=True)`` returns before the shard is whole).
 """
 
 from __future__ import annotations
@@ -19,22 +20,25 @@ import time
 from typing import Callable, Sequence, cast
 
 from shardkit.cache.cached_shard import CachedShard
-from shardkit.cache.files import (FileLock, ShardRef, file_name, hash_fd, mark_used, preallocate, stamp_verified,
-                                  unlink_quiet, verified_stamp_ns)
-from shardkit.cache.fill import fill_landing, fill_map, fill_stream
+from shardkit.cache.files import (FileLock, ShardRef, file_name, hash_fd, mark_used, stamp_verified, unlink_quiet,
+                                  verified_stamp_ns)
+from shardkit.cache.attempt import attempt
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING
 from shardkit.cache.layout import CacheDir, no_space_errno
+from shardkit.cache.landing_shard import LandingShard
 from shardkit.cache.lock_wait import clear_owner, wait_lock, write_owner
 from shardkit.cache.prefetch import Prefetcher
 from shardkit.cache.room import Planned, Room
 from shardkit.cache.schedule import Schedule
+from shardkit.cache.streamed import Streams
 from shardkit.config import human_bytes
+from shardkit.config import lock_wait as lock_wait_seconds
 from shardkit.errors import (CacheGoneError, CacheLockedError, ConfigError, IntegrityError, ShardkitError, StorageError,
                              StorageStalledError)
 from shardkit.storage.ranged import RangeReader
 
-__all__ = ["ShardRef", "ReaderFor", "ShardCache", "CachedShard", "STALL_REMEMBERED"]
+__all__ = ["ShardRef", "ReaderFor", "ShardCache", "CachedShard", "LandingShard", "STALL_REMEMBERED"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,8 @@ ReaderFor = Callable[[ShardRef], RangeReader]
 
 A sequential reader's bytes go to the temp file front to back, and a download that fails
 resumes from what landed; a parallel reader gets the whole shard at once, into a writable map
-of the temp file or a landing buffer, and a download that fails starts again from byte 0. The
-cache checks size and xxh3-128 of the whole file either way.
+of the temp file or a landing buffer, and a download that fails starts again from byte 0, in a
+new temp file. The cache checks size and xxh3-128 of the whole file either way.
 """
 
 
@@ -99,10 +103,11 @@ class ShardCache:
         self._mu = threading.Lock()
         self._stats = dict.fromkeys(("hits", "misses", "bytes_fetched", "evictions", "wait_seconds",
                                      "corrupt_refetches", "prefetched", "prefetch_skipped", "landed",
-                                     "lock_fallbacks"), 0.0)
+                                     "lock_fallbacks", "streamed"), 0.0)
         self._schedule = Schedule()
         self._room = Room(self._dir, limit_bytes, self._schedule, wait_timeout, room_wait, self._add)
         self._prefetcher = Prefetcher("shardkit-cache-prefetch")
+        self._streams = Streams(self._dir, lambda: lock_wait_seconds() if lock_wait is None else lock_wait)
         self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
         try:
             with self._dir.locked():
@@ -122,8 +127,10 @@ class ShardCache:
         """
         self._schedule.set([file_name(name) for name in upcoming], sizes)
 
-    def open(self, ref: ShardRef, fetch: ReaderFor, landing: bool = False) -> CachedShard:
-        """The verified local copy of ``ref``, downloaded if needed, pinned until closed.
+    def open(self, ref: ShardRef, fetch: ReaderFor, landing: bool = False, stream: bool = False,
+             first: int = 0, join_below: float = 1.0) -> CachedShard | LandingShard:
+        """The verified local copy of ``ref``, downloaded if needed, pinned until closed; or
+        with ``stream``, the shard while it lands.
 
         Args:
             ref: the shard.
@@ -131,9 +138,21 @@ class ShardCache:
             landing: the caller only copies out of the shard, so a parallel download may go
                 through a landing buffer (:mod:`.landing`), and the shard comes with ``hot``
                 set while this process's landing buffer still holds it.
+            stream: when the shard is not cached and ``ref`` has its samples, return at once a
+                :class:`LandingShard` of its parallel download in flight (this process's or
+                another's; one is started in a thread when none runs): its samples are read as
+                they are verified (:meth:`LandingShard.wait`). The file is cached, for this
+                reader and every other, only once the whole shard checked out.
+            first: with ``stream``, the shard byte this reader needs first: a download it starts
+                asks for the bytes from there on first.
+            join_below: with ``stream``, follow a download already in flight only while less
+                than this part of it has landed; past that, wait for it to end (without hashing
+                its samples one by one) and open the file. A reader that would wait for the rest
+                of a shard anyway gains little from reading it sample by sample, and the hashing
+                costs cores the download needs.
 
         Returns:
-            The open shard.
+            The open shard (a LandingShard only with ``stream``).
 
         Raises:
             ConfigError: the shard is larger than the cache limit.
@@ -150,6 +169,10 @@ class ShardCache:
             after a parallel reader the reservation is kept and the next time starts from 0).
         """
         try:
+            if stream and ref.samples is not None:
+                shard = self._stream_open(ref, fetch, landing, first, join_below)
+                if shard is not None:
+                    return shard
             return self._open(ref, fetch, landing)
         except CacheLockedError:
             self._add("lock_fallbacks")
@@ -220,7 +243,8 @@ class ShardCache:
         Returns:
             hits, misses, bytes_fetched, evictions, wait_seconds, corrupt_refetches, prefetched,
             prefetch_skipped, landed (downloads through a landing buffer), lock_fallbacks (opens
-            that gave up on a lock whose holder made no progress: CacheLockedError).
+            that gave up on a lock whose holder made no progress: CacheLockedError), streamed
+            (opens that returned a shard still landing).
         """
         with self._mu:
             return dict(self._stats)
@@ -238,8 +262,9 @@ class ShardCache:
             return sum(e.size for e in self._dir.scan())
 
     def close(self) -> None:
-        """Stop prefetching (after a download in progress). Open shards stay valid."""
+        """Stop prefetching (after the downloads in progress). Open shards stay valid."""
         self._prefetcher.close()
+        self._streams.close()
 
     def __enter__(self) -> ShardCache:
         return self
@@ -278,6 +303,38 @@ class ShardCache:
         verified = st.st_mtime_ns == verified_stamp_ns(ref.checksum)
         hot = LANDING.hot(path, st) if landing and verified else None
         return CachedShard(ref, path, fd, pin, verified=verified, landing=hot)
+
+    def _stream_open(self, ref: ShardRef, fetch: ReaderFor, landing: bool, first: int,
+                     join_below: float) -> LandingShard | None:
+        """A reader of ``ref``'s download in flight (see :meth:`.Streams.open`), or None."""
+        file = file_name(ref.name)
+        if os.path.exists(self._dir.final(file)) or not fetch(ref).parallel:
+            return None  # cached (the ordinary open checks it), or a download readers cannot follow
+        shard = self._streams.open(ref, file, functools.partial(self._fill_for_reader, ref, fetch, file, landing, first))
+        if shard is None:
+            return None
+        if shard.landed() >= join_below:
+            try:
+                shard.wait_over()  # then the ordinary open finds the file published (or downloads it)
+            finally:
+                shard.close()
+            return None
+        shard.follow()
+        self._schedule.opened(file)
+        self._add("streamed")
+        return shard
+
+    def _fill_for_reader(self, ref: ShardRef, fetch: ReaderFor, file: str, landing: bool, first: int) -> None:
+        """A reader's download, in a thread of its own: as its open would, pin held; none if
+        another thread or process is downloading the shard (the reader follows that one)."""
+        pin = wait_lock(self._dir.lock_path(self._dir.ns, file, "pin"), fcntl.LOCK_SH, f"shard {ref.name}: its pin",
+                        limit=self._lock_wait)
+        try:
+            fd = self._ensure(ref, fetch, file, None, landing, first, busy_ok=True)
+            if fd is not None:
+                os.close(fd)
+        finally:
+            pin.release()
 
     def _prefetch_one(self, ref: ShardRef, fetch: ReaderFor, earlier: dict[str, int], landing: bool) -> None:
         """One job of a prefetch plan: download ``ref`` unless it is there, busy or has no room."""
@@ -322,20 +379,23 @@ class ShardCache:
         os.close(fd)
         return "corrupt", None
 
-    def _ensure(self, ref: ShardRef, fetch: ReaderFor, file: str, planned: Planned, landing: bool) -> int | None:
-        """An fd of the verified shard (its pin held by the caller); None if a prefetch skips."""
+    def _ensure(self, ref: ShardRef, fetch: ReaderFor, file: str, planned: Planned, landing: bool,
+                first: int = 0, busy_ok: bool = False) -> int | None:
+        """An fd of the verified shard (its pin held by the caller); None if a prefetch skips,
+        or with ``busy_ok`` if another thread or process is downloading it."""
         state, fd = self._open_final(ref, file)
         downloaded = False
         if state != "ok":
             t0 = time.monotonic()
             path = self._dir.lock_path(self._dir.ns, file, "dl")
-            if planned is None:  # a reader waits for a download elsewhere, while it moves (see lock_wait)
+            if planned is None and not busy_ok:  # a reader waits for a download elsewhere, while it moves (see lock_wait)
                 dl: FileLock | None = wait_lock(path, fcntl.LOCK_EX, f"shard {ref.name}: its download",
                                                 limit=self._lock_wait, progress=lambda: self._dir.temp_progress(file))
             else:
                 dl = FileLock.try_take(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if dl is None:  # another process is downloading it: prefetch enough
-                self._add("prefetch_skipped")
+                if planned is not None:
+                    self._add("prefetch_skipped")
                 return None
             try:
                 write_owner(dl)  # who downloads, for a reader that waits for it (and /proc/locks)
@@ -347,7 +407,7 @@ class ShardCache:
                         unlink_quiet(self._dir.final(file))
                     self._add("corrupt_refetches")
                 if state != "ok":
-                    self._download(ref, fetch, file, planned, landing)
+                    self._download(ref, fetch, file, planned, landing, first)
                     downloaded = True
                     state, fd = self._open_final(ref, file)
             finally:
@@ -367,7 +427,8 @@ class ShardCache:
         """A temp file counting ``ref.size`` and the bytes in it (see :meth:`.Room.reserve`)."""
         return self._room.reserve(ref, file, planned)
 
-    def _download(self, ref: ShardRef, fetch: ReaderFor, file: str, planned: Planned, landing: bool) -> None:
+    def _download(self, ref: ShardRef, fetch: ReaderFor, file: str, planned: Planned, landing: bool,
+                  first: int = 0) -> None:
         """Fetch, verify and publish ``ref`` (download lock held); _NoRoom if a prefetch finds
         no room for it."""
         got = self._reserve(ref, file, planned)
@@ -375,7 +436,7 @@ class ShardCache:
             raise _NoRoom(ref.name)
         tmp, start = got
         try:
-            self._fill(ref, fetch, file, tmp, start, landing)
+            self._fill(ref, fetch, file, tmp, start, landing, first)
         except OSError as exc:
             err = no_space_errno(exc)
             if err is None:
@@ -386,43 +447,19 @@ class ShardCache:
                 unlink_quiet(tmp)
             raise self._dir.no_space(err, f"shard {ref.name}", ref.size, self._limit) from exc
 
-    def _fill(self, ref: ShardRef, fetch: ReaderFor, file: str, tmp: str, start: int, landing: bool) -> None:
+    def _fill(self, ref: ShardRef, fetch: ReaderFor, file: str, tmp: str, start: int, landing: bool,
+              first: int = 0) -> None:
         """Fill the temp file ``tmp`` (``start`` bytes in it), verify and publish it; a second
-        attempt from byte 0 if the first does not match."""
-        for attempt in (1, 2):
-            reader = fetch(ref)
-            if reader.parallel:
-                start = 0  # a partial file of parts landed out of order cannot be resumed from its length
-            fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
-            buf = LANDING.take(ref.size) if reader.parallel and landing else None  # pinned until published
-            try:
-                if attempt == 2:  # from scratch
-                    os.ftruncate(fd, 0)
-                    preallocate(fd, ref.size)
-                if buf is not None:
-                    pos, digest = fill_landing(reader, ref, fd, tmp, buf, self._fetched)
-                elif reader.parallel:
-                    pos, digest = fill_map(reader, ref, fd, self._fetched)
-                else:
-                    pos, digest = fill_stream(reader, ref, fd, start, self._fetched)
-                if pos == ref.size and digest == ref.checksum.lower():
-                    stamp_verified(fd, ref.checksum)
-                    final = self._dir.final(file)
-                    with self._dir.locked():
-                        os.replace(tmp, final)
-                    if buf is not None:
-                        LANDING.publish(buf, final, os.fstat(fd))  # unpins it
-                        buf = None
-                        self._add("landed", 1.0)
-                    return
-            finally:
-                if buf is not None:
-                    LANDING.release(buf)
-                os.close(fd)
+        attempt from byte 0 if the first does not match (see :mod:`.attempt`)."""
+        for n in (1, 2):
+            done, pos, digest = attempt(self._dir, self._streams, fetch(ref), ref, file, tmp,
+                                        -1 if n == 2 else start, landing, first, self._fetched, last=n == 2)
+            if done:
+                self._add("landed", float(done == "landed"))
+                return
             log.warning("cache: shard %s: got %d bytes with xxh3 %s from byte %d (attempt %d); the "
-                        "manifest says %d bytes with %s", ref.name, pos, digest, start,
-                        attempt, ref.size, ref.checksum)
-            start = 0
+                        "manifest says %d bytes with %s", ref.name, pos, digest, 0 if n == 2 else start,
+                        n, ref.size, ref.checksum)
         with self._dir.locked():
             unlink_quiet(tmp)
         raise IntegrityError(f"shard {ref.name}: download does not match the manifest (size {ref.size}, "
