@@ -245,6 +245,7 @@ class BatchBuilder:
                 count = None if count is None else count - 1
 
         pool = ThreadPoolExecutor(threads, thread_name_prefix="shardkit-fill")
+        first = True
         try:
             for pieces, carry, n, last in self._batch_pieces():
                 plan = plan_batch(source, pieces, first_sample)
@@ -260,7 +261,10 @@ class BatchBuilder:
                 outs = [self.buffers.take(nbytes) for nbytes in field_bytes(plan)]
                 pending.append((pool.submit(copy_into, copies, outs), plan, outs, copies, n, self._served(pieces)))
                 del outs  # the pool sees a buffer as free once only the batch refers to it
-                if len(pending) > 2 * threads:
+                # The first batch goes out once it is copied, not once the batches behind it are
+                # planned too: their shards may still be landing (a cold epoch's first batch).
+                if len(pending) > 2 * threads or first:
+                    first = False
                     yield from drain(1)
             yield from drain(final=True)
         finally:

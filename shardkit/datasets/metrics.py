@@ -22,7 +22,8 @@ Series (counters are ``*_total``; labels ``dataset``, ``rank``, ``worker``):
   or without the cache);
 - ``shardkit_cache_hits_total``, ``shardkit_cache_misses_total``, ``shardkit_cache_evictions_total``,
   ``shardkit_cache_prefetched_total``, ``shardkit_cache_prefetch_skipped_total``,
-  ``shardkit_cache_landed_total``, ``shardkit_cache_corrupt_refetches_total``;
+  ``shardkit_cache_landed_total``, ``shardkit_cache_streamed_total``,
+  ``shardkit_cache_corrupt_refetches_total``;
 - ``shardkit_direct_reads_total``: segments read without a cache;
 - ``shardkit_uncached_fallbacks_total``: shards read around a cache that had no room;
 - ``shardkit_wait_seconds_total``: time blocked on data; ``shardkit_cache_wait_seconds_total``:
@@ -73,6 +74,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "prefetched": ("shardkit_cache_prefetched", "Shards downloaded into the cache ahead of need"),
     "prefetch_skipped": ("shardkit_cache_prefetch_skipped", "Prefetches skipped (no room, or being fetched elsewhere)"),
     "landed": ("shardkit_cache_landed", "Cache downloads through a landing buffer"),
+    "streamed": ("shardkit_cache_streamed", "Cache opens that read a shard while it landed"),
     "corrupt_refetches": ("shardkit_cache_corrupt_refetches", "Cached shards that failed their checksum and were fetched again"),
     "direct_reads": ("shardkit_direct_reads", "Segments read from storage without a cache"),
     "uncached_reads": ("shardkit_uncached_fallbacks", "Shards read around a cache that had no room (cache_limit too small)"),

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from shardkit.cache.shard_cache import CachedShard, ShardRef
+from shardkit.cache.shard_cache import CachedShard, LandingShard, ShardRef
 from shardkit.config import checked_cache_dir, int_arg, parse_size
 from shardkit.datasets.array_reads import (Fetch, NpyHeader, array_at, member_name, member_span, read_npy_header,
                                           read_rows, select_rows)
@@ -44,7 +44,7 @@ from shardkit.read.selection import select
 from shardkit.read.rows import ShardInfo, ShardRows, block_checksums
 from shardkit.read.samples import sample_dict
 from shardkit.read.cache_refs import cache_namespace
-from shardkit.storage.ranged import ByteCounter, RangedReader, StreamReader, Transport, choose_transport, read_fully
+from shardkit.storage.ranged import ByteCounter, RangedReader, Transport, choose_transport, prepare, read_fully
 from shardkit.util.lru import LRU
 
 try:  # torch is optional: without it ShardDataset is a plain sequence-like object
@@ -75,7 +75,9 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         part_size: ranged GET size; larger samples are fetched in parallel parts.
         concurrency: parallel GETs per large read.
         cache_shards: download a sample's whole shard into the cache on first access (for
-            repeated random access over a dataset that fits the cache).
+            repeated random access over a dataset that fits the cache), in ``part_size``
+            ranged GETs, ``concurrency`` at a time, the part holding that sample first; the
+            sample is served once its own bytes are in and checked, before the shard is whole.
         transport: ``"auto"`` (boto3 for S3, else fsspec), ``"boto3"`` or ``"fsspec"``.
         max_open_shards: cached shards kept mapped (and pinned against eviction) per process.
         version: the dataset version (None: the latest when it is made; see
@@ -116,6 +118,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         self.cache_shards = bool(cache_shards)
         self.max_open_shards = max_open_shards
         self.transport = choose_transport(self.ds.store, transport)
+        prepare(self.ds.store, transport)  # here, before DataLoader workers fork: their first reads come sooner
         make_decoder(decode)  # validate in the main process
         self._first = self.ds.first_samples
         self._key_index: KeyIndex | None = None
@@ -260,16 +263,20 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
 
     # ---- the node cache -------------------------------------------------------------------
 
-    def _shard_reader(self, ref: ShardRef) -> StreamReader:
-        """The cache's reader of a whole shard (``cache_shards``): one stream, counted in stats."""
-        return StreamReader(self.ds.store, ref.name, ref.size, counter=self._counter)
+    def _shard_reader(self, ref: ShardRef) -> RangedReader:
+        """The cache's reader of a whole shard (``cache_shards``): ranged GETs of ``part_size``,
+        ``concurrency`` at a time, counted in stats; readers follow it as it lands."""
+        return RangedReader(self.ds.store, ref.name, part_size=self.part_size, concurrency=self.concurrency,
+                            transport=self.transport, counter=self._counter)  # type: ignore[arg-type]
 
-    def _cached(self, info: ShardInfo) -> CachedShard | None:
-        """The mapped shard if it is in the cache (or ``cache_shards`` fetches it), else None."""
+    def _cached(self, info: ShardInfo, rows: ShardRows, pos: int) -> CachedShard | LandingShard | None:
+        """The mapped shard if it is in the cache (or ``cache_shards`` fetches it: then maybe
+        still landing, sample ``pos`` verified), else None."""
         self._local()
-        return None if self._cache is None else self._cache.open(info, self._shard_reader)
+        return None if self._cache is None else self._cache.open(info, self._shard_reader, rows, pos)
 
-    def _verify_cached(self, cached: CachedShard, info: ShardInfo, rows: ShardRows, pos: int, index: int) -> None:
+    def _verify_cached(self, cached: CachedShard | LandingShard, info: ShardInfo, rows: ShardRows, pos: int,
+                       index: int) -> None:
         if self._cache is not None:
             self._cache.check(cached, info, rows, pos, index)
 
@@ -295,7 +302,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         i = int(self._first[shard]) + pos
         info = self.ds.shard_list[shard]
         rows = self._shard_rows(shard)
-        cached = self._cached(info)
+        cached = self._cached(info, rows, pos)
         if cached is not None:
             self._verify_cached(cached, info, rows, pos, i)
             view, base = cached.buffer(), 0
@@ -413,7 +420,7 @@ class ShardDataset(_MapBase):  # type: ignore[misc,valid-type]
         i = int(self._first[shard]) + pos
         info, srows = self.ds.shard_list[shard], self._shard_rows(shard)
         offset, size = member_span(srows, pos, field, i)
-        cached = self._cached(info)
+        cached = self._cached(info, srows, pos)
         if cached is not None:
             self._verify_cached(cached, info, srows, pos, i)
             arr = npy_view(cached.buffer()[offset:offset + size], native=False)  # the stored dtype, as from storage

@@ -145,6 +145,9 @@ def open_source(ds: Dataset, topo: Topology, *, cache_dir: str | None, cache_lim
     # read back from disk by the others, where a fill through the page cache serves them all.
     source.landing = landing and not zero_copy and topo.num_workers == 1
     source.at_once = source.prefetch if topo.num_workers == 1 else 1
+    # A cold shard's samples are read as they land (cache.streamed); zero-copy batches' views
+    # would outlive the waits that make them valid, so they wait for the whole shard.
+    source.stream = cache_dir is not None and not zero_copy
     return source
 
 

@@ -27,8 +27,8 @@ SNAPSHOT_EVERY = 1.0  # seconds between snapshots while iterating
 #: Storage retries by kind (:mod:`shardkit.storage.retry_counts`), as counters of the stream.
 RETRY_COUNTS = tuple(f"retries_{kind}" for kind in RETRY_KINDS)
 #: The counters reported as integers; ``wait_seconds`` and ``cache_wait_seconds`` are seconds.
-COUNTS = ("bytes_fetched", "bytes_served", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "evictions",
-          "corrupt_refetches", "direct_reads", "uncached_reads", "samples", "retries") + RETRY_COUNTS
+COUNTS = ("bytes_fetched", "bytes_served", "hits", "misses", "prefetched", "prefetch_skipped", "landed", "streamed",
+          "evictions", "corrupt_refetches", "direct_reads", "uncached_reads", "samples", "retries") + RETRY_COUNTS
 
 _SNAPSHOT = re.compile(r"stats-r(\d+)w(\d+)p(\d+)\.json$")
 

@@ -30,6 +30,7 @@ from shardkit.datasets.stats import StreamStats, summed_stats
 from shardkit.datasets.tensors import in_main_process, to_torch
 from shardkit.errors import ConfigError
 from shardkit.read.dataset import Dataset
+from shardkit.storage import ranged
 from shardkit.read.manifest_copies import manifest_copies_dir
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS
 from shardkit.read.partition import EpochOrder, Range, rank_ranges, samples_per_rank, schedule_shards, worker_ranges, worker_schedule
@@ -37,7 +38,7 @@ from shardkit.read.selection import SELECTION_GAPS, select
 from shardkit.datasets.selected import selection_state, with_annotations
 from shardkit.read.segments import SHARE_EDGE, SPREAD_OVER_WORKERS, SegmentPlanner
 from shardkit.read.cache_refs import cache_namespace
-from shardkit.read.shard_source import ShardSource
+from shardkit.read.shard_source import STREAM_RUN, ShardSource
 from shardkit.read.topology import FromParent, Topology, current
 
 __all__ = ["READERS", "StreamingDataset"]
@@ -177,6 +178,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         rank = None if rank is None else int_arg("rank", rank, 0)
         cache_limit = parse_size(cache_limit, "cache_limit")  # nan, inf or "-5MB": a ConfigError naming it
         self.ds = Dataset(url, storage_options, version=version)  # the version is fixed for the stream's life
+        ranged.prepare(self.ds.store)  # here, before DataLoader workers fork: their first reads come sooner
         self.url = self.ds.url
         self.cache_dir = checked_cache_dir(cache_dir)
         # Node-local manifest copies (the temp dir, outside the shard cache) even when shards
@@ -378,7 +380,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         try:
             sched = schedule_shards(order, ranges)
             source.plan(sched)
-            planned = worker_schedule(order, ranges)
+            # Runs of at most STREAM_RUN samples (or a batch): a reader waits for one run's
+            # samples of a shard still landing, not for the rest of the shard.
+            planned = worker_schedule(order, ranges, max_run=max(self.chunk, STREAM_RUN))
             if source.cache is None:  # read only the segments of shards this reader needs
                 why = (SELECTION_GAPS if self.selection is not None else SPREAD_OVER_WORKERS if topo.num_workers > 1
                        else SHARE_EDGE)
@@ -443,6 +447,7 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             cold epoch that prefetches well shows hits, and its downloads under
             ``prefetched``), ``prefetched`` (background downloads), ``prefetch_skipped``,
             ``landed`` (downloads through a landing buffer, see :mod:`shardkit.cache.landing`),
+            ``streamed`` (opens that read a shard while it landed, see :mod:`shardkit.cache.streamed`),
             ``evictions``, ``corrupt_refetches``, ``direct_reads`` (ranged reads without
             cache), ``uncached_reads`` (shards read from storage into memory because pins of
             other readers on the node held the cache's room for ``SHARDKIT_ROOM_WAIT``

@@ -11,6 +11,12 @@ this rank / DataLoader worker / epoch, in :class:`~shardkit.read.partition.Epoch
 prefetching the next ones into the cache. Each shard stays pinned (never evicted) until the
 pipeline asks for the next one, i.e. while downstream stages read it.
 
+A shard not cached yet is not waited for: it comes as a ``shardkit-landing://`` URL that the
+stage registers in WebDataset's ``gopen_schemes``, a stream of the shard's bytes as they land
+(:class:`~shardkit.cache.landing_stream.LandingStream`: a byte once the sample holding it
+matched its checksum, the archive's end once the whole shard did). The first samples flow while
+the rest of the shard downloads, and the file is cached for other readers once it is whole.
+
 A shard that finds no room in the cache for ``SHARDKIT_ROOM_WAIT`` seconds (default 5)
 because other readers keep theirs open (DataLoader workers take turns, so a worker waiting for
 room may be the one its sibling waits for) is read from storage into memory instead, checked
@@ -27,23 +33,26 @@ fixed length with ``.with_epoch(n)``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import itertools
 import os
 from typing import Any, Iterator
 
-from shardkit.cache.shard_cache import ShardCache
+from shardkit.cache.landing_stream import LandingStream
+from shardkit.cache.shard_cache import LandingShard, ShardCache
 from shardkit.config import int_arg, parse_size, room_wait
 from shardkit.datasets.epoch_control import ControlDir
 from shardkit.errors import ConfigError, NoRoomError
 from shardkit.read.epoch_order import DEFAULT_BLOCK_SHARDS, EpochOrder
 from shardkit.read.dataset import Dataset
+from shardkit.storage import ranged
 from shardkit.read.cache_refs import cache_namespace, shard_ref
-from shardkit.read.shard_source import ShardSource
+from shardkit.read.shard_source import JOIN_BELOW, ShardSource
 from shardkit.read.topology import FromParent, current
 
-__all__ = ["MEM_SCHEME", "wds_shards"]
+__all__ = ["LANDING_SCHEME", "MEM_SCHEME", "wds_shards"]
 
 try:  # torch is optional: without it the stage is a plain iterable
     from torch.utils.data import IterableDataset as _IterableBase
@@ -82,6 +91,7 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
             raise ConfigError("wds_shards: takes one dataset URL, not a mixture of Streams; mix datasets with "
                               "shardkit.StreamingDataset([shardkit.Stream(...), ...])")
         self.ds = Dataset(url, storage_options)
+        ranged.prepare(self.ds.store)  # here, before DataLoader workers fork: their first reads come sooner
         self.cache_dir, self.cache_limit = os.fspath(cache_dir), parse_size(cache_limit, "cache_limit")
         self.shuffle, self.seed = bool(shuffle), int_arg("seed", seed, 0, 2**64 - 1)
         self.epoch, self.prefetch = int_arg("epoch", epoch, 0, 2**32 - 1), int_arg("prefetch", prefetch, 0)
@@ -124,8 +134,9 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         """This reader's shards, each cached, verified and pinned until the next is asked for.
 
         Yields:
-            ``{"url": <local path>, "__shard__": <shard path in the dataset>}``; a shard read
-            around a full cache comes as a ``shardkit-mem://`` URL (see the module docstring).
+            ``{"url": <local path>, "__shard__": <shard path in the dataset>}``; a shard still
+            landing comes as a ``shardkit-landing://`` URL, one read around a full cache as a
+            ``shardkit-mem://`` URL (see the module docstring).
 
         Raises:
             IntegrityError: a shard fails its checksum even after a fresh fetch.
@@ -136,6 +147,7 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
         cache = ShardCache(self.cache_dir, self.cache_limit, namespace=cache_namespace(self.ds),
                            room_wait=room_wait())
         source = ShardSource(self.ds, cache, self.prefetch)
+        source.stream = True
         infos = self.ds.shard_list
         try:
             source.plan(mine)
@@ -143,9 +155,10 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
                 source.advance(mine[i + 1:i + 1 + self.prefetch])
                 # WebDataset parses the tar itself, but a manifest that places a field outside
                 # its sample is refused here too, as every other reader refuses it.
-                source.rows(shard)
+                ref = shard_ref(infos[shard], source.rows(shard))
                 try:
-                    cached = cache.open(shard_ref(infos[shard]), source.fetch)
+                    # Past the first shard, follow only a download with most of the way to go.
+                    cached = cache.open(ref, source.fetch, stream=True, join_below=1.0 if i == 0 else JOIN_BELOW)
                 except NoRoomError as exc:
                     url = _hold_in_memory(source.read_uncached(shard, exc), infos[shard].path)
                     try:
@@ -153,6 +166,17 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
                     finally:
                         _IN_MEMORY.pop(url, None)  # opened by now, or never will be
                     continue
+                if isinstance(cached, LandingShard):
+                    opened = functools.partial(cache.open, ref, source.fetch, stream=True)
+                    url = _hold_stream(LandingStream(cached, opened, source.started), infos[shard].path)
+                    try:
+                        yield {"url": url, "__shard__": infos[shard].path}
+                    finally:
+                        left = _STREAMS.pop(url, None)  # opened by now (its reader closes it), or never will be
+                        if left is not None:
+                            left.close()
+                    continue
+                source.started()
                 with cached:
                     yield {"url": cached.path, "__shard__": infos[shard].path}
         finally:
@@ -168,8 +192,27 @@ class wds_shards(_IterableBase):  # type: ignore[misc,valid-type]  # noqa: N801 
 
 
 MEM_SCHEME = "shardkit-mem"  # the gopen scheme of shards read around a full cache
+LANDING_SCHEME = "shardkit-landing"  # the gopen scheme of shards read while they land
 _IN_MEMORY: dict[str, memoryview] = {}  # shards read around a full cache, until gopen takes them
+_STREAMS: dict[str, LandingStream] = {}  # shards still landing, until gopen takes them
 _numbers = itertools.count()
+
+
+def _hold_stream(stream: LandingStream, shard_path: str) -> str:
+    """A URL WebDataset's gopen opens as ``stream`` (once, in this process)."""
+    schemes = importlib.import_module("webdataset.gopen").gopen_schemes
+    schemes.setdefault(LANDING_SCHEME, _open_stream)
+    url = f"{LANDING_SCHEME}://{os.getpid()}/{next(_numbers)}/{shard_path}"
+    _STREAMS[url] = stream
+    return url
+
+
+def _open_stream(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> io.BufferedReader:
+    stream = _STREAMS.pop(url, None)
+    if stream is None or mode != "rb":
+        raise FileNotFoundError(f"{url}: a shard shardkit reads while it lands opens once, for reading, in the "
+                                "process that yielded it, before the pipeline asks for the next shard")
+    return io.BufferedReader(stream, buffer_size=1 << 20)
 
 
 def _hold_in_memory(data: memoryview, shard_path: str) -> str:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import xxhash
 
+from shardkit.cache.progress import SampleTable
 from shardkit.cache.shard_cache import ShardRef
 from shardkit.read.dataset import Dataset
-from shardkit.read.rows import ShardInfo
+from shardkit.read.rows import ShardInfo, ShardRows
 
 __all__ = ["cache_namespace", "shard_ref"]
 
@@ -24,13 +25,17 @@ def cache_namespace(ds: Dataset) -> str:
     return xxhash.xxh3_64_hexdigest(ds.identity.encode())
 
 
-def shard_ref(info: ShardInfo) -> ShardRef:
+def shard_ref(info: ShardInfo, rows: ShardRows | None = None) -> ShardRef:
     """What the node cache needs to know of a shard.
 
     Args:
         info: the shard's row of shards.parquet.
+        rows: its manifest rows, for a download that readers may read while it lands (each
+            sample checked against its xxh3-64 as it lands).
 
     Returns:
-        Its path in the dataset, size and xxh3-128, as the cache checks a download against them.
+        Its path in the dataset, size and xxh3-128, as the cache checks a download against
+        them, and with ``rows`` its samples.
     """
-    return ShardRef(info.path, info.bytes, info.checksum)
+    table = SampleTable(rows.offset, rows.size, rows.checksum) if rows is not None else None
+    return ShardRef(info.path, info.bytes, info.checksum, table)

@@ -27,16 +27,16 @@ from shardkit.storage import ranged
 from shardkit.read import segments
 from shardkit.cache.shard_cache import ShardCache, ShardRef
 from shardkit.errors import CacheLockedError, IntegrityError, NoRoomError
-from shardkit.read.cache_refs import shard_ref
 from shardkit.read.dataset import Dataset
-from shardkit.read.held import Held
+from shardkit.read.cache_fetches import CacheFetches
+from shardkit.read.held import Held, open_held
 from shardkit.read.rows import FieldLayout, ShardInfo, ShardRows
 from shardkit.read.verify import verify_samples
 from shardkit.read.segments import SegmentPlanner
 from shardkit.storage.retry import backoff_delay
 from shardkit.storage.store import Store
 
-__all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "HeldKey", "Run", "ShardSource"]
+__all__ = ["FETCH_CONCURRENCY", "FETCH_PART_SIZE", "HeldKey", "JOIN_BELOW", "Run", "STREAM_RUN", "ShardSource"]
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,6 @@ Run = tuple[int, np.ndarray]
 # What a source holds open: a cached shard (its id), or a (shard, segment) read without a cache.
 HeldKey = Union[int, tuple[int, int]]
 
-# Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
-# FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
-# file or a landing buffer (one copy from the socket), faster than one stream written through
-# a file (see benchmarks/RESULTS.md). More parts at a time did not help on loopback; real S3
-# caps each connection well below the link, so raise FETCH_CONCURRENCY there.
-FETCH_PART_SIZE = 16 * 2**20
-FETCH_CONCURRENCY = 2
 # Reads without a cache: segments (see segments) fetched at once per reader, and read ahead.
 # Segments can be small (a worker's batch of small samples), so a few run in parallel.
 READ_AHEAD_THREADS = 4
@@ -65,9 +58,22 @@ SEGMENT_READS = 3
 # anything longer means cache_limit is too small for the node.
 _warned_no_room = False
 _warned_locked = False
+# Cold cache downloads from S3 (boto3 transport): ranged GETs of FETCH_PART_SIZE, up to
+# FETCH_CONCURRENCY at a time per shard, read with readinto straight into the map of the temp
+# file or a landing buffer (one copy from the socket), faster than one stream written through
+# a file (see benchmarks/RESULTS.md). More parts at a time did not help on loopback; real S3
+# caps each connection well below the link, so raise FETCH_CONCURRENCY there.
+FETCH_PART_SIZE = 16 * 2**20
+FETCH_CONCURRENCY = 2
+# Past its first samples, a streaming reader follows a shard's download only while less than this
+# part of it has landed; else it waits for the whole shard (see ShardCache.open's join_below).
+JOIN_BELOW = 0.5
+# Samples a reader asks for at once (a run of its schedule) when it reads samples one by one:
+# those of a shard still landing are waited for together.
+STREAM_RUN = 256
 
 
-class ShardSource:
+class ShardSource(CacheFetches):
     """Opens shards (or the byte span of the samples needed) for one reader process.
 
     Args:
@@ -110,6 +116,13 @@ class ShardSource:
         # Cache downloads running at once (prefetch threads): more than one only where this
         # process is the node's one reader of its shards (see StreamingDataset._prefetch).
         self.at_once = 1
+        # Read a cold shard's samples as they land and check out, not once the whole shard did
+        # (see cache.streamed); not for zero-copy batches, whose views outlive the reader's waits.
+        self.stream = False
+        # Until the reader's first samples are out, only their shard is fetched (see plan).
+        self._head_start = False
+        self._first_in = False  # the first get() has returned
+        self._upcoming: Sequence[int] = ()
 
     # ---- manifest rows --------------------------------------------------------------------
 
@@ -146,7 +159,7 @@ class ShardSource:
         """
         return self.rows(shard).layout
 
-    # ---- cache downloads ------------------------------------------------------------------
+    # ---- cache downloads (the plan: see CacheFetches) ---------------------------------------
 
     def fetch(self, ref: ShardRef) -> ranged.RangeReader:
         """The reader the cache downloads ``ref`` with (a :data:`~shardkit.cache.shard_cache.ReaderFor`).
@@ -167,35 +180,6 @@ class ShardSource:
             return ranged.RangedReader(self.store, ref.name, part_size=FETCH_PART_SIZE, concurrency=FETCH_CONCURRENCY,
                                        transport="boto3", counter=self.downloads)
         return ranged.StreamReader(self.store, ref.name, ref.size, counter=self.downloads)
-
-    def plan(self, shards: Sequence[int]) -> None:
-        """Tell the cache the future order, and start fetching the first shards (no-op
-        without a cache).
-
-        Args:
-            shards: the shard ids this reader needs, in need order.
-        """
-        if self.cache is None:
-            return
-        infos = self.ds.shard_list
-        self.cache.set_schedule([infos[s].path for s in shards], [infos[s].bytes for s in shards])
-        self.advance(shards)
-
-    def advance(self, upcoming: Sequence[int]) -> None:
-        """Keep prefetching the next shards (in need order) as the reader moves on.
-
-        Args:
-            upcoming: the shard ids needed next, in need order; the first ``prefetch`` of
-                them not held already are fetched into the cache in the background.
-        """
-        if not self.prefetch or not upcoming:
-            return
-        if self.cache is not None:
-            infos = self.ds.shard_list
-            todo = [shard_ref(infos[s]) for s in upcoming if s not in self._held][: self.prefetch]
-            if todo:
-                self.cache.prefetch(todo, self.fetch, max_ahead=self.prefetch, landing=self.landing,
-                                    at_once=self.at_once)
 
     # ---- holding bytes --------------------------------------------------------------------
 
@@ -226,20 +210,30 @@ class ShardSource:
             AssertionError: without a cache: no segment plan, or ``positions`` from several
                 segments (a caller's bug).
         """
+        if self._head_start and self._first_in:
+            self.started()  # asked for more than the first samples: they are out by now
         key = self._key(shard, positions)
         held = self._held.get(key)
         if held is not None:
-            return held
+            if held.landing is None:
+                return held
+            t0 = time.perf_counter()
+            try:
+                landed = held.landing.wait(positions)
+            except NoRoomError as exc:  # another process's download stalled: read around the cache
+                self._drop(key)
+                held = self._held[key] = Held(0, self.ds.shard_list[shard].bytes, data=self.read_uncached(shard, exc))
+                return held
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
+            if landed:
+                return held
+            self._drop(key)  # its download's attempt ended: open the shard again
         upcoming = self._keys(window)  # once: release and read-ahead both walk it
         self.release(upcoming)
         t0 = time.perf_counter()
         if self.cache is not None:
-            try:
-                handle = self.cache.open(shard_ref(self.ds.shard_list[shard]), self.fetch, landing=self.landing)
-            except NoRoomError as exc:
-                held = Held(0, self.ds.shard_list[shard].bytes, data=self.read_uncached(shard, exc))
-            else:
-                held = Held(0, handle.ref.size, handle=handle, keep_map=self.keep_maps)
+            held = self._open_cached(shard, positions)
         else:
             assert isinstance(key, tuple)
             held = self._direct(key)
@@ -247,7 +241,22 @@ class ShardSource:
         self._held[key] = held
         if self.cache is None:
             self._read_ahead(upcoming)
+        self._first_in = True
         return held
+
+    def _open_cached(self, shard: int, positions: np.ndarray) -> Held:
+        """Shard ``shard`` from the cache (see :func:`open_held`), or read around it."""
+        ref = self._ref(shard)
+        first = int(ref.samples.offsets[positions].min()) if ref.samples is not None and len(positions) else 0
+        try:
+            assert self.cache is not None
+            # Past its first samples a reader joins only downloads that have most of the way to go
+            # (see ShardCache.open's join_below): it would wait for the rest anyway.
+            return open_held(self.cache, ref, self.fetch, positions, first, landing=self.landing,
+                             stream=self.stream, keep_map=self.keep_maps,
+                             join_below=1.0 if self._head_start or not self._first_in else JOIN_BELOW)
+        except NoRoomError as exc:
+            return Held(0, ref.size, data=self.read_uncached(shard, exc))
 
     def _keys(self, window: Sequence[Run]) -> Sequence[HeldKey]:
         """What the runs of ``window`` need held, in need order (see :meth:`_key`)."""
@@ -472,7 +481,7 @@ class ShardSource:
                                  "direct_reads": float(self.direct_reads),
                                  "uncached_reads": float(self.uncached_reads),
                                  "segment_rereads": float(self.segment_rereads),
-                                 "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0,
+                                 "hits": 0.0, "misses": 0.0, "evictions": 0.0, "prefetched": 0.0, "streamed": 0.0,
                                  "corrupt_refetches": 0.0, "prefetch_skipped": 0.0, "cache_wait_seconds": 0.0,
                                  "lock_fallbacks": 0.0}
         if self.cache is not None:
