@@ -403,3 +403,36 @@ def test_s3fs_options_and_other_protocols_pass_through(tmp_path: Any) -> None:
     assert Store("s3://bucket/ds", opts).storage_options == opts
     assert Store(str(tmp_path), {"aws_access_key_id": "x", "anything": 1}).storage_options["anything"] == 1
     assert Store("memory://ds", {"whatever": True}).storage_options == {"whatever": True}
+
+
+def test_ranged_reader_reports_each_part_piece_by_piece_once_its_bytes_are_in(
+        mem_store: tuple[Store, bytes], no_sleep: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of a shard still landing uses a part's first bytes before its last arrive: each
+    part is reported in pieces, in order, each starting block-aligned and holding its bytes."""
+    store, payload = mem_store
+    monkeypatch.setattr(ranged, "_READ_CHUNK", 10_000)  # a piece every ~10 KB of a part
+    real = ranged.opener
+
+    def short_reads(store: Store, path: str, client: Any) -> resumable.Opener:
+        open_body = real(store, path, client)
+        return lambda pos, end: _Cut(open_body(pos, end), 7_777)  # a body that ends early, resumed
+    monkeypatch.setattr(ranged, "opener", short_reads)
+    out = bytearray(300_000)
+    view = memoryview(out)
+    pieces: list[tuple[int, int]] = []
+
+    def on_part(lo: int, hi: int) -> None:
+        assert bytes(view[lo:hi]) == payload[lo:hi]  # all of it is in when reported
+        pieces.append((lo, hi))
+
+    ranged.RangedReader(store, "shards/a.tar", part_size=100_000, concurrency=3).read_into(0, view, on_part)
+    assert bytes(out) == payload
+    by_part: dict[int, list[tuple[int, int]]] = {}
+    for lo, hi in pieces:
+        by_part.setdefault(lo // 100_000, []).append((lo, hi))
+    assert sorted(by_part) == [0, 1, 2]
+    for part, got in by_part.items():
+        assert got[0][0] == part * 100_000 and got[-1][1] == (part + 1) * 100_000
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:]))  # in order, no gap, no overlap
+        assert all(lo % 4096 == 0 or lo == part * 100_000 for lo, _ in got)
+        assert len(got) > 5  # reported as it went, not once at the end
