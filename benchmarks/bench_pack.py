@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     starts: dict[str, float] = {}
     connects: list[dict[str, Any]] = []
-    data_sets = (("images", images, {"labels_from_dirs": True}), ("hdf5", h5, {}))
+    data_sets: tuple[tuple[str, Path, dict[str, Any]], ...] = (("images", images, {"labels_from_dirs": True}),
+                                                                ("hdf5", h5, {}))
     with Weed() as server:
         clusters: dict[str, RayCluster] = {}
         try:
@@ -372,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                "summary": summary, "rows": rows}
     write_json(Path(args.out), payload)
     print_tables(summary, args.rounds)
-    warm = [c["seconds"] for c in connects if c["seconds"]]
-    print(f"(not timed: cluster start {starts} s; connect + warm-up before a Ray row {min(warm)}-{max(warm)} s; load average "
-          f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end; wrote {args.out})")
+    warm_s = [c["seconds"] for c in connects if c["seconds"]] or [0.0]
+    print(f"(not timed: cluster start {starts} s; connect + warm-up before a Ray row {min(warm_s)}-{max(warm_s)} s; "
+          f"load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end; wrote {args.out})")
     return 0
 
 
@@ -440,9 +441,11 @@ def print_tables(summary: list[dict[str, Any]], rounds: int) -> None:
         c = r["cpu"]
         nodes = ""
         if "nodes" in r:
-            nodes = f"{r.get('tasks', '')} ({', '.join('/'.join(str(n.get(k, 0)) for k in ('head', 'worker')) for n in r['nodes'])})"
+            split = ", ".join("/".join(str(n.get(k, 0)) for k in ("head", "worker")) for n in r["nodes"])
+            nodes = f"{r.get('tasks', '')} ({split})"
         # The share of the machine's CPU this run's own processes used (the rest: other users).
-        ours = sum(c[k] for k in ("this process", "seaweedfs", "1 node", "2 nodes")) / ((os.cpu_count() or 1) * r["seconds"])
+        ours = (sum(c[k] for k in ("this process", "seaweedfs", "1 node", "2 nodes"))
+                / ((os.cpu_count() or 1) * r["seconds"]))
         print(f"| {r['data']} | {r['row']} | {' / '.join(f'{x:.2f}' for x in r['per_round'])} | {nodes} | "
               f"{c['machine busy share']:.0%} | {ours:.0%} | {c['this process']:.1f} | {c['seaweedfs']:.1f} | "
               f"{c['1 node']:.1f} | {c['2 nodes']:.1f} |")
