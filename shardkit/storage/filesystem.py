@@ -13,7 +13,7 @@ from fsspec.core import url_to_fs
 from shardkit.errors import StorageError
 from shardkit.storage.options import s3_options
 
-__all__ = ["create_local", "open_fs", "reopen_fs", "S3FS_RETRIES"]
+__all__ = ["create_local", "open_fs", "replace_local", "reopen_fs", "S3FS_RETRIES"]
 
 # s3fs's own tries per call, under ours: its default 5 made every stalled call of a frozen store
 # wait 5 read timeouts before shardkit's retry loop (and its warning) saw it.
@@ -105,6 +105,36 @@ def create_local(path: str, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+
+
+def replace_local(path: str, data: bytes) -> None:
+    """Write the local (or NFS) file ``path`` holding ``data``, replacing it atomically.
+
+    fsspec's ``pipe_file`` writes ``path`` in place: a process killed mid-write leaves a
+    truncated file under the final name, which a rerun or a reader then has to tell from a
+    whole one. Here the bytes go to a temp file of a unique name beside ``path`` that is then
+    renamed over it, so ``path`` is either the old file or the whole new one.
+
+    Args:
+        path: the file to write (its folder exists).
+        data: its bytes.
+
+    Raises:
+        OSError: the file system failed.
+    """
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.put.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _write_new(path: str, data: bytes) -> None:

@@ -19,7 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardkit.errors import ConfigError, DatasetExistsError, IntegrityError, ShardkitError
 from shardkit.storage.etag import EtagCheck, confirmed_read
-from shardkit.storage.filesystem import create_local, open_fs, reopen_fs
+from shardkit.storage.filesystem import create_local, open_fs, reopen_fs, replace_local
 from shardkit.storage.options import boto_settings, check_storage_options, endpoint_of, s3_options
 from shardkit.storage.retry import retrying, translate
 from shardkit.storage.s3client import s3_client
@@ -309,7 +309,10 @@ class Store:
             StorageError: the store failed.
         """
         self._parent_dir(rel)
-        self.call(lambda: self.fs.pipe_file(self.path(rel), data), rel)
+        if isinstance(self.fs, LocalFileSystem):  # whole or not there, if the process dies mid-write
+            self.call(lambda: replace_local(self.path(rel), data), rel)
+        else:  # an S3 PUT is atomic already
+            self.call(lambda: self.fs.pipe_file(self.path(rel), data), rel)
 
     def put_create(self, rel: str, data: bytes) -> None:
         """Create an object only if it does not exist (S3 ``If-None-Match: *``; a local or NFS
