@@ -21,6 +21,13 @@ columns (``key``, ``shard``, ``offset``, ``size``, ``checksum``; ``fields`` and
 With ``--s3`` the shardkit arms read the manifest from a throwaway SeaweedFS on loopback (the
 files uploaded there first, untimed), as a node of a training job reads it from its bucket.
 
+``--phases N`` instead times the node's first rank N times each way, alternating, in one
+process against one store: ``overlapped`` (:func:`shardkit.read.where.where_indices` on an
+empty copies directory: each fragment queried as it lands) and ``fetch, then query`` (every
+fragment copied first, then one DuckDB scan of them all: what the first rank did before). Each
+run reports its total and the time after the last fragment landed (the newest copy's mtime).
+Writes results/where_phases.json.
+
 Peak RSS is /proc's VmHWM of the measuring process (imports included).
 
 Writes results/where.json.
@@ -158,6 +165,45 @@ def measure(arm: str, url: str, where: str, copies: str) -> dict[str, Any]:
             "rss_after_imports_mb": round(rss0 / 2**20, 1), "selected": count}
 
 
+def phases(url: str, where: str, runs: int) -> list[dict[str, Any]]:
+    """The first rank's selection ``runs`` times each way, alternating (see the module doc)."""
+    import numpy as np
+
+    from shardkit.read.dataset import Dataset
+    from shardkit.read.where import connect, local_fragments, where_indices
+
+    def fetch_then_query(ds: Dataset) -> int:
+        local_fragments(ds, ds.manifest_cache or "")
+        sql = connect(ds)
+        try:
+            rows = sql.con.sql(sql.scan).filter(where).project("file_index, file_row_number").fetchnumpy()
+            got = sql.global_indices(rows["file_index"], np.asarray(rows["file_row_number"], np.int64))
+        finally:
+            sql.close()
+        return int(got.size)
+
+    arms = {"overlapped": lambda ds: int(where_indices(ds, where).size), "fetch, then query": fetch_then_query}
+    out = []
+    for run in range(runs + 1):  # the first round warms imports and connections: not kept
+        for name in (list(arms) if run % 2 else list(arms)[::-1]):
+            copies = tempfile.mkdtemp(prefix="bench-where-phases-")
+            try:
+                ds = Dataset(url)
+                ds.manifest_cache = copies
+                t0 = time.time()
+                count = arms[name](ds)
+                t1 = time.time()
+                landed = max(f.stat().st_mtime for f in Path(copies).glob("*.parquet"))
+            finally:
+                shutil.rmtree(copies, ignore_errors=True)
+            row = {"arm": name, "seconds": round(t1 - t0, 3), "after_last_fetch": round(t1 - landed, 3),
+                   "selected": count, "load": round(os.getloadavg()[0], 2)}
+            if run:
+                out.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return out
+
+
 def _child(arm: str, url: str, where: str, copies: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_where", "--measure", arm, "--url", url,
                           "--where", where, "--copies", copies], capture_output=True, text=True, check=True,
@@ -173,6 +219,8 @@ def main() -> None:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--copies", help=argparse.SUPPRESS)
     p.add_argument("--s3", action="store_true", help="read the manifest from a throwaway SeaweedFS")
+    p.add_argument("--phases", type=int, default=0, metavar="N",
+                   help="time the first rank N times overlapped and N times fetch-then-query, alternating")
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.url, args.where, args.copies)))
@@ -184,6 +232,21 @@ def main() -> None:
         url = str(root)
         if args.s3:
             url = _upload(stack, root)
+        if args.phases:
+            runs = phases(url, args.where, args.phases)
+            summary = {}
+            for name in ("overlapped", "fetch, then query"):
+                mine = sorted(runs, key=lambda r: r["seconds"])
+                mine = [r for r in mine if r["arm"] == name]
+                tails = sorted(r["after_last_fetch"] for r in mine)
+                summary[name] = {"median_seconds": mine[len(mine) // 2]["seconds"],
+                                 "median_after_last_fetch": tails[len(tails) // 2]}
+            report = {"rows": args.rows, "where": args.where, "store": "s3" if args.s3 else "local files",
+                      "runs": runs, "summary": summary}
+            out = Path(__file__).resolve().parent / "results" / "where_phases.json"
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            print(json.dumps(report["summary"], indent=2))
+            return
         results = _arms(url, str(root), args.where)
     manifest_bytes = sum(f.stat().st_size for f in (root / "manifest").glob("samples-*.parquet"))
     report = {"rows": args.rows, "where": args.where, "store": "s3 (SeaweedFS, loopback)" if args.s3 else "local files",

@@ -13,16 +13,22 @@ __all__ = ["cache_namespace", "shard_ref"]
 
 
 def cache_namespace(ds: Dataset) -> str:
-    """A stable id of one committed dataset: a re-pack at the same URL gets a new namespace.
+    """A stable id of one pack: the same for every version appended to it (so a job on version
+    2 finds version 1's shards already on the node), a new one for a re-pack at the same URL
+    (so no file of the old pack is ever read for the new one).
+
+    Sharing is safe because an append never writes a name of an earlier version again: its
+    shards and samples fragments are numbered on from the latest version's, and what differs
+    per version (a stored ``where=`` result) is keyed by :attr:`Dataset.identity`.
 
     Args:
         ds: the dataset.
 
     Returns:
-        A hex digest of :attr:`Dataset.identity`: the node cache's namespace for its shards,
-        and the name of its manifest copies' directory.
+        A hex digest of :attr:`Dataset.pack_identity`: the node cache's namespace for its
+        shards, and the name of its manifest copies' directory.
     """
-    return xxhash.xxh3_64_hexdigest(ds.identity.encode())
+    return xxhash.xxh3_64_hexdigest(ds.pack_identity.encode())
 
 
 def shard_ref(info: ShardInfo, rows: ShardRows | None = None) -> ShardRef:

@@ -8,6 +8,7 @@ dataset opens in about the time of two small GETs on every rank.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -20,11 +21,11 @@ import xxhash
 from shardkit.errors import IntegrityError, ManifestError, ShardkitError, first_line
 from shardkit.format.manifest import SAMPLE_COLUMNS, parquet_file
 from shardkit.read.decode import Decoder, make_decoder
-from shardkit.read.manifest import check_same_pack, count_faults, manifest_faults, shard_infos
+from shardkit.read.manifest import check_same_pack, count_faults, manifest_faults, read_info, shard_infos
 from shardkit.read.manifest_copies import copy_path, keep_copy, open_copy
 from shardkit.read.rows import ShardInfo, ShardRows, check_spans
 from shardkit.read.samples import sample_dicts
-from shardkit.read.versions import open_version
+from shardkit.read.versions import marker_name, open_version
 from shardkit.read.verify import (
     check_shard_bytes,
     missing_samples_files,
@@ -36,6 +37,8 @@ from shardkit.storage.store import Store
 from shardkit.util.lru import LRU
 
 __all__ = ["FRAGMENT_BYTES", "ROWS_BYTES", "Dataset", "open_dataset"]
+
+log = logging.getLogger(__name__)
 
 _MEMOS: dict[str, dict[str, dict[Any, Any]]] = {}  # Dataset.identity -> name -> memo
 _MEMO_DATASETS = 8
@@ -87,6 +90,7 @@ class Dataset:
         self._fragments = _fragments_lru()
         self._samples: pa.Table | None = None
         self._identity: str | None = None
+        self._pack_identity: str | None = None
         # A local directory keeping copies of the sample-manifest fragments (set by readers
         # with a node cache): a warm epoch's fresh workers then read no manifest from storage.
         self.manifest_cache: str | None = None
@@ -95,7 +99,9 @@ class Dataset:
         return f"Dataset({self.url!r}, samples={self.num_samples}, shards={self.num_shards})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "info": self.info, "shards": self.shards, "manifest_cache": self.manifest_cache}
+        # The pack identity goes along once known: a version's costs a GET to learn.
+        return {"store": self.store, "info": self.info, "shards": self.shards, "manifest_cache": self.manifest_cache,
+                "pack_identity": self._pack_identity}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.store = state["store"]
@@ -107,6 +113,7 @@ class Dataset:
         self._fragments = _fragments_lru()
         self._samples = None
         self._identity = None
+        self._pack_identity = state.get("pack_identity")
         self.manifest_cache = state.get("manifest_cache")
 
     @property
@@ -154,8 +161,43 @@ class Dataset:
         also within the same second and at the same size (its shards' checksums differ)."""
         if self._identity is None:
             info = self.info
-            self._identity = f"{self.url}\0{info.get('created')}\0{info.get('total_bytes')}\0{self.fingerprint}"
+            self._identity = _identity_of(self.url, info, self.fingerprint)
         return self._identity
+
+    @property
+    def pack_identity(self) -> str:
+        """What names the pack this version belongs to: version 1's :attr:`identity`, the same
+        for every version appended to it (an append keeps every shard and fragment of the
+        versions before, under the same names, and never writes those names again), and
+        another for a re-pack at the URL (which removes the versions and writes a new
+        version 1). Node-local files of the pack's shards and fragments are kept under it.
+
+        A dataset appended to reads version 1's marker once (one small GET); if that fails,
+        or the marker's shards are not this version's first, it is :attr:`identity` (files
+        are then kept for this version alone, never shared with another pack).
+        """
+        if self._pack_identity is None:
+            self._pack_identity = self._first_version_identity()
+        return self._pack_identity
+
+    def _first_version_identity(self) -> str:
+        if self.version == 1:
+            return self.identity
+        rel = marker_name(1)
+        try:
+            first = read_info(self.store, rel)
+            count = int(first["num_shards"])
+        except (ShardkitError, KeyError, TypeError, ValueError) as exc:
+            log.debug("%s: no readable %s (%s); node-local files are kept for version %d alone",
+                      self.url, rel, exc, self.version)
+            return self.identity
+        if not 0 <= count <= self.shards.num_rows or first.get("dataset_version") != 1:
+            log.debug("%s: %s does not describe this version's first shards; node-local files are kept for "
+                      "version %d alone", self.url, rel, self.version)
+            return self.identity
+        checksums = self.shards.column("checksum").to_pylist()[:count]
+        # As version 1's own identity: readers of version 1, before or after the append, share it.
+        return _identity_of(self.url, first, xxhash.xxh3_64_hexdigest("\0".join(checksums).encode()))
 
     def memo(self, name: str) -> dict[Any, Any]:
         """A dict kept in this process for this committed dataset, shared by every object
@@ -200,6 +242,8 @@ class Dataset:
         held = self._fragments.get(name)
         if held is None and self.manifest_cache:
             held = open_copy(self._local_path(name), name)
+            if held is not None and not self._copy_of_pack(held[0], name):
+                held = None
         if held is None:
             data = self.store.read_checked(name)
             held = (parquet_file(data, self.store.url_of(name)), len(data))
@@ -209,6 +253,18 @@ class Dataset:
         self._fragments.limit = FRAGMENT_BYTES if self.manifest_cache else sys.maxsize
         self._fragments.put(name, held)  # most recently used last; re-weighs the rest
         return held[0]
+
+    def _copy_of_pack(self, fragment: pq.ParquetFile, name: str) -> bool:
+        """Whether a node copy of fragment ``name`` describes this dataset's shards (the copies
+        directory is the pack's, shared by its versions: it must never serve a fragment of
+        another pack). One that does not is read from storage again and replaces the copy."""
+        try:
+            check_same_pack(fragment, self._local_path(name), self.url, self.shard_list)
+        except ManifestError:
+            log.warning("node copy %s of %s is of another pack of %s; reading it from storage",
+                        self._local_path(name), name, self.url)
+            return False
+        return True
 
     def _local_path(self, name: str) -> str:
         """Where the node-local copy of fragment ``name`` lives (``manifest_cache`` is set)."""
@@ -376,6 +432,10 @@ class Dataset:
             manifest.append(f"dataset.json lists fields {sorted(self.fields)}, the sample rows have {sorted(fields)}")
         raise_failures(manifest, failed, checked)
         return {"ok": True, "shards_checked": checked, "deep": deep, "num_samples": self.num_samples}
+
+
+def _identity_of(url: str, info: dict[str, Any], fingerprint: str) -> str:
+    return f"{url}\0{info.get('created')}\0{info.get('total_bytes')}\0{fingerprint}"
 
 
 def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, strict: bool = True,

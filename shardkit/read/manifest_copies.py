@@ -2,9 +2,12 @@
 epochs read the sample manifest from local disk instead of storage.
 
 Copies live in a private directory of this user under the temp dir (not in the shard cache, so
-``cache_limit`` keeps bounding the cache exactly), one subdirectory per committed dataset
-(its cache namespace). A reader opening a copy marks its directory in use; any reader sweeps
-directories no reader opened for :data:`COPIES_KEPT_SECONDS`.
+``cache_limit`` keeps bounding the cache exactly), one subdirectory per pack (its cache
+namespace, shared by the versions appended to it: an append never rewrites an earlier version's
+fragment, so a copy serves every version that lists it; a copy is checked to describe the
+reader's shards before use, and a stored ``where=`` result is named by its version). A reader
+opening a copy marks its directory in use; any reader sweeps directories no reader opened for
+:data:`COPIES_KEPT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def manifest_copies_dir(namespace: str) -> str | None:
     be writable by nobody else.
 
     Args:
-        namespace: the committed dataset's cache namespace.
+        namespace: the pack's cache namespace (:func:`shardkit.read.cache_refs.cache_namespace`).
 
     Returns:
         The directory (not necessarily made yet), or None if its root is not safely ours.

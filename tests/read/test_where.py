@@ -230,3 +230,86 @@ def test_without_node_copies_a_query_leaves_no_files_behind(url: str) -> None:
     ds = Dataset(url)  # manifest_cache None: fragments copied to a scratch directory, then removed
     assert where_indices(ds, "label = 2").tolist() == where_indices(opened(url), "label = 2").tolist()
     assert scratch() == before
+
+
+def folder_of(root: Path, count: int, salt: bytes = b"") -> Path:
+    """``count`` files of differing sizes (so ``size`` tells them apart), each its own bytes."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (root / f"f{i:03d}.bin").write_bytes(salt + bytes([i % 251]) * (200 + 37 * i))
+    return root
+
+
+def test_a_first_rank_on_s3_queries_fragments_as_they_land_and_gets_the_whole_scans_answer(
+        s3_env: Any, s3_bucket: str, tmp_path: Path) -> None:
+    url = f"{s3_bucket}/ds"
+    shardkit.pack(str(folder_of(tmp_path / "src", 60)), url, shard_bytes="6KB", task_bytes="12KB", progress=False)
+    ds = Dataset(url)
+    ds.manifest_cache = str(tmp_path / "copies")  # empty: this process is the node's first rank
+    names = sorted({s.samples_file for s in ds.shard_list})
+    assert len(names) > 8  # more fragments than are fetched at once
+    where = "size % 3 = 0 AND shard > 1"
+    sizes, shards = ds.samples["size"].to_numpy(), ds.samples["shard"].to_numpy()
+    expected = np.flatnonzero((sizes % 3 == 0) & (shards > 1))
+    got = where_indices(ds, where)
+    assert got.dtype == np.int64 and len(expected) > 0 and got.tolist() == expected.tolist()
+    assert sorted(p.name for p in (tmp_path / "copies").iterdir()) == sorted(copy_path_names(names))
+    assert where_count(ds, where) == (len(expected), int(pc.sum(ds.samples["size"].take(pa.array(expected))).as_py()))
+    # The whole-manifest scan over the copies (what every query ran before) agrees.
+    from shardkit.read.where import connect
+
+    sql = connect(ds)
+    try:
+        rows = sql.con.sql(sql.scan).filter(where).project("file_index, file_row_number").fetchnumpy()
+        whole = np.sort(sql.global_indices(rows["file_index"], np.asarray(rows["file_row_number"], np.int64)))
+    finally:
+        sql.close()
+    assert whole.tolist() == got.tolist()
+
+
+def copy_path_names(names: list[str]) -> list[str]:
+    from shardkit.cache.files import file_name
+
+    return [file_name(n) for n in names]
+
+
+def test_fragments_of_differing_columns_are_queried_as_one_scan_unified_by_name(tmp_path: Path) -> None:
+    # Version 1 from plain files has no label; the appended image folder's fragments do.
+    from PIL import Image
+
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(folder_of(tmp_path / "a", 30)), url, shard_samples=5, shard_bytes="4KB", task_bytes="8KB",
+                  progress=False)
+    for c in ("cat", "dog"):
+        (tmp_path / "b" / c).mkdir(parents=True)
+        for i in range(10):
+            Image.new("L", (2, 2), i).save(tmp_path / "b" / c / f"{c}{i:02d}.png")
+    shardkit.pack(str(tmp_path / "b"), url, shard_samples=5, shard_bytes="4KB", task_bytes="8KB",
+                  labels_from_dirs=True, progress=False, append=True)
+    ds = opened(url)
+    assert where_indices(ds, "label = 1").tolist() == list(range(40, 50))  # the dogs, after 30 files and 10 cats
+    assert where_indices(ds, "label IS NULL").tolist() == list(range(30))
+    assert where_count(ds, "label IS NOT NULL")[0] == 20
+    with pytest.raises(ConfigError, match='"lable" not found'):
+        where_indices(ds, "lable = 1")
+
+
+def test_a_node_copy_of_another_packs_fragment_is_fetched_again_not_used(tmp_path: Path) -> None:
+    url = str(tmp_path / "ds")
+    shardkit.pack(str(folder_of(tmp_path / "old", 20)), url, shard_bytes="6KB", task_bytes="12KB", progress=False)
+    old = Dataset(url)
+    copies = str(tmp_path / "copies")
+    old.manifest_cache = copies
+    assert len(where_indices(old, "size > 0")) == 20  # copies of the old pack's fragments kept
+    shardkit.pack(str(folder_of(tmp_path / "new", 20, salt=b"x")), url, shard_bytes="6KB", task_bytes="12KB",
+                  overwrite=True, progress=False)
+    sums = Dataset(url).samples["checksum"].to_pylist()  # from storage: each sample's bytes differ from the old's
+    reader = Dataset(url)
+    reader.manifest_cache = copies  # as if both packs had one copies directory
+    assert reader.shard_samples(0)["checksum"].to_pylist() == sums[:reader.shard_list[0].num_samples]
+    query = Dataset(url)
+    query.manifest_cache = copies
+    assert where_indices(query, f"checksum = {sums[7]}").tolist() == [7]
+    again = Dataset(url)
+    again.manifest_cache = copies  # every copy is the new pack's now
+    assert where_indices(again, f"checksum IN ({sums[3]}, {sums[19]})").tolist() == [3, 19]
