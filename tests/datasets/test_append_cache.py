@@ -45,7 +45,9 @@ def test_a_job_on_an_appended_version_downloads_only_the_new_shards_and_a_repack
     assert second.ds.version == 2 and sorted(keys) == sorted(A + B)
     new = second.ds.shards.column("bytes").to_pylist()[4:]
     # Version 1's four shards came from the node cache; only version 2's two were downloaded.
-    assert (stats["misses"], stats["hits"], stats["bytes_fetched"]) == (len(new), 4, sum(new))
+    # (A shard read while it landed may be opened once more when published: a hit beyond those four.)
+    assert (stats["misses"], stats["bytes_fetched"]) == (len(new), sum(new))
+    assert 4 <= stats["hits"] <= 4 + stats["streamed"]
     v1, v2 = shardkit.open_dataset(url, version=1), shardkit.open_dataset(url, version=2)
     assert cache_namespace(v1) == cache_namespace(v2) == cache_namespace(first.ds)
     assert v1.identity != v2.identity  # what differs per version (a stored where= result) stays apart
@@ -61,7 +63,7 @@ def test_a_job_on_an_appended_version_downloads_only_the_new_shards_and_a_repack
     keys, stats, third = read_all(url, cache, decode=None)
     repacked = third.ds
     assert repacked.version == 1 and cache_namespace(repacked) != cache_namespace(v2)
-    assert sorted(keys) == A and stats["misses"] == repacked.num_shards and stats["hits"] == 0
+    assert sorted(keys) == A and stats["misses"] == repacked.num_shards and stats["hits"] <= stats["streamed"]
     assert stats["bytes_fetched"] == sum(repacked.shards.column("bytes").to_pylist())
     assert {x["__key__"]: bytes(x["txt"]).decode()[:5] for x in StreamingDataset(url, cache_dir=cache)} == \
         {k: "other" for k in A}

@@ -123,7 +123,8 @@ def test_webdataset_reads_a_shard_as_it_lands(dataset: Any, gate: Path, tmp_path
 def test_random_access_serves_a_sample_of_a_shard_still_landing(dataset: Any, gate: Path, tmp_path: Path) -> None:
     url, opts, content = dataset
     cache = tmp_path / "cache"
-    ds = shardkit.ShardDataset(url, cache_dir=cache, storage_options=opts, cache_shards=True)
+    # Its own part size (not the streams' FETCH_PART_SIZE): parts small enough that the gate holds the tail.
+    ds = shardkit.ShardDataset(url, cache_dir=cache, storage_options=opts, cache_shards=True, part_size=256 << 10)
     keys = sorted(content)
     assert ds[3]["bin"] == content[keys[3]]  # shard 0 downloads; its tail is held back
     assert cached_shards(cache) == []
