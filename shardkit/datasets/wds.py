@@ -38,7 +38,7 @@ import importlib
 import io
 import itertools
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from shardkit.cache.landing_stream import LandingStream
 from shardkit.cache.shard_cache import LandingShard, ShardCache
@@ -198,37 +198,44 @@ _STREAMS: dict[str, LandingStream] = {}  # shards still landing, until gopen tak
 _numbers = itertools.count()
 
 
-def _hold_stream(stream: LandingStream, shard_path: str) -> str:
-    """A URL WebDataset's gopen opens as ``stream`` (once, in this process)."""
+def _hold(registry: dict[str, Any], scheme: str, opener: Callable[..., io.BufferedReader], obj: Any,
+          shard_path: str) -> str:
+    """A URL of ``scheme`` that WebDataset's gopen opens (once, in this process) with ``opener``,
+    which takes ``obj`` back out of ``registry``."""
     schemes = importlib.import_module("webdataset.gopen").gopen_schemes
-    schemes.setdefault(LANDING_SCHEME, _open_stream)
-    url = f"{LANDING_SCHEME}://{os.getpid()}/{next(_numbers)}/{shard_path}"
-    _STREAMS[url] = stream
+    schemes.setdefault(scheme, opener)
+    url = f"{scheme}://{os.getpid()}/{next(_numbers)}/{shard_path}"
+    registry[url] = obj
     return url
 
 
+def _take(registry: dict[str, Any], url: str, mode: str, why: str) -> Any:
+    """What :func:`_hold` registered under ``url``, once; FileNotFoundError saying ``why`` else."""
+    obj = registry.pop(url, None)
+    if obj is None or mode != "rb":
+        raise FileNotFoundError(f"{url}: {why}")
+    return obj
+
+
+def _hold_stream(stream: LandingStream, shard_path: str) -> str:
+    """A URL WebDataset's gopen opens as ``stream`` (once, in this process)."""
+    return _hold(_STREAMS, LANDING_SCHEME, _open_stream, stream, shard_path)
+
+
 def _open_stream(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> io.BufferedReader:
-    stream = _STREAMS.pop(url, None)
-    if stream is None or mode != "rb":
-        raise FileNotFoundError(f"{url}: a shard shardkit reads while it lands opens once, for reading, in the "
-                                "process that yielded it, before the pipeline asks for the next shard")
+    stream = _take(_STREAMS, url, mode, "a shard shardkit reads while it lands opens once, for reading, in the "
+                   "process that yielded it, before the pipeline asks for the next shard")
     return io.BufferedReader(stream, buffer_size=1 << 20)
 
 
 def _hold_in_memory(data: memoryview, shard_path: str) -> str:
     """A URL WebDataset's gopen opens as a stream over ``data`` (once, in this process)."""
-    schemes = importlib.import_module("webdataset.gopen").gopen_schemes
-    schemes.setdefault(MEM_SCHEME, _open_in_memory)
-    url = f"{MEM_SCHEME}://{os.getpid()}/{next(_numbers)}/{shard_path}"
-    _IN_MEMORY[url] = data
-    return url
+    return _hold(_IN_MEMORY, MEM_SCHEME, _open_in_memory, data, shard_path)
 
 
 def _open_in_memory(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> io.BufferedReader:
-    data = _IN_MEMORY.pop(url, None)
-    if data is None or mode != "rb":
-        raise FileNotFoundError(f"{url}: a shard shardkit read around a full cache opens once, for reading, "
-                                "in the process that yielded it")
+    data = _take(_IN_MEMORY, url, mode, "a shard shardkit read around a full cache opens once, for reading, in "
+                 "the process that yielded it")
     return io.BufferedReader(_MemoryReader(data))
 
 
