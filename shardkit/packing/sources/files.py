@@ -25,6 +25,7 @@ from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.format.fields import IMAGE_EXTS
 from shardkit.packing.sample import FieldValue, PackSample, StreamedField, safe_key
 from shardkit.packing.sources.base import ListingSkips, SourceItem, item_bytes
+from shardkit.packing.sources.image_header import header_ok
 from shardkit.packing.sources.keys import unique_keys
 from shardkit.packing.sources.listing import walk_objects
 from shardkit.packing.sources.objects import Objects, ReadAhead, ReadsAhead, is_url, join_url
@@ -112,6 +113,8 @@ def check_image(path: str | os.PathLike[str], field: str, value: FieldValue,
     size = value.size if isinstance(value, StreamedField) else len(value)
     if size == 0:
         raise SourceError(f"{_shown(path)} is not a readable image: it is empty (0 bytes)")
+    if not isinstance(value, StreamedField) and header_ok(value):
+        return  # a plain JPEG or PNG header, checked as PIL would, at a fraction of its cost
     try:
         # A big file streams: PIL reads the header from the file, not the whole of it.
         if not isinstance(value, StreamedField):
