@@ -11,7 +11,8 @@ The loaders (batch 256, no shuffle, ``cache_limit`` 50 GB):
 
 * ``StreamingDataLoader`` with 2 workers, raw batches built in the workers (ring handoff);
 * a plain ``DataLoader`` with 2 workers over per-sample dicts (``collate_fn=shardkit.collate``);
-* ``StreamingDataLoader(num_workers=0)``, raw batches filled by the 2 read threads.
+* ``StreamingDataLoader(num_workers=0)``, raw batches filled by the 2 read threads;
+* the same with ``zero_copy=True``: batches of views into the (landing) cache file.
 
 Baselines in the same rounds, with a boto3 client made before the clock: one ranged GET of the
 byte span holding the first batch's samples (from its first sample's first byte to its last
@@ -43,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Weed, boto3_client, get_range_into, part_jobs, ranged_get_into  # noqa: E402
 
 BATCH = 256
-LOADERS = ("workers2", "per-sample", "main")
+LOADERS = ("workers2", "per-sample", "main", "zero-copy")
 LABELS = {"workers2": "StreamingDataLoader, 2 workers (raw batches)",
           "per-sample": "plain DataLoader, 2 workers, per-sample dicts",
-          "main": "StreamingDataLoader, num_workers=0, 2 read threads"}
+          "main": "StreamingDataLoader, num_workers=0, 2 read threads",
+          "zero-copy": "StreamingDataLoader, num_workers=0, zero_copy=True"}
 
 
 def images(count: int) -> Path:
@@ -78,7 +80,8 @@ def make_loader(kind: str, url: str, cache: Path) -> Any:
     if kind == "per-sample":
         ds = shardkit.StreamingDataset(url, cache_dir=cache, cache_limit="50GB", shuffle=False)
         return DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=collate, persistent_workers=False)
-    ds = shardkit.StreamingDataset(url, cache_dir=cache, cache_limit="50GB", shuffle=False, batch_size=BATCH)
+    ds = shardkit.StreamingDataset(url, cache_dir=cache, cache_limit="50GB", shuffle=False, batch_size=BATCH,
+                                   zero_copy=kind == "zero-copy")
     return shardkit.StreamingDataLoader(ds, num_workers=2 if kind == "workers2" else 0, persistent_workers=False)
 
 
@@ -186,7 +189,7 @@ def main() -> None:
                         one = bare_get(client, f"ds{mb}/{key}", lo, hi, 1)
                         two = bare_get(client, f"ds{mb}/{key}", lo, hi, 2)
                         whole = whole_shard_get(client, f"ds{mb}/{key}", first.bytes)
-                        floor = startup_floor() if kind != "main" else 0.0
+                        floor = startup_floor() if kind not in ("main", "zero-copy") else 0.0
                         rnd = {"first_batch_s": took, "span_bytes": hi - lo, "bare_get_s": one,
                                "bare_get_x2_s": two, "whole_shard_get_s": whole, "worker_startup_s": floor}
                         cell["rounds"].append(rnd)

@@ -145,9 +145,11 @@ def open_source(ds: Dataset, topo: Topology, *, cache_dir: str | None, cache_lim
     # read back from disk by the others, where a fill through the page cache serves them all.
     source.landing = landing and not zero_copy and topo.num_workers == 1
     source.at_once = source.prefetch if topo.num_workers == 1 else 1
-    # A cold shard's samples are read as they land (cache.streamed); zero-copy batches' views
-    # would outlive the waits that make them valid, so they wait for the whole shard.
-    source.stream = cache_dir is not None and not zero_copy
+    # A cold shard's samples are read as they land (cache.streamed). Zero-copy batches too: a
+    # view is made only of samples waited for, whose bytes in the landing file never change
+    # again (a failed attempt's file is replaced by a new inode, never rewritten), and the map
+    # of that file stays valid once it is published, or unlinked, while views of it live.
+    source.stream = cache_dir is not None
     return source
 
 

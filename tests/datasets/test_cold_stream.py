@@ -19,6 +19,7 @@ import webdataset as wds
 from torch.utils.data import DataLoader
 
 import shardkit
+from procmaps import mapped_file
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batch.collate import collate
 from shardkit.read import shard_source
@@ -79,7 +80,7 @@ def batch_items(batch: dict[str, Any]) -> dict[str, bytes]:
     return {k: bytes(v) for k, v in zip(batch["__key__"], batch["bin"])}
 
 
-@pytest.mark.parametrize("kind", ["main", "workers", "per-sample"])
+@pytest.mark.parametrize("kind", ["main", "workers", "per-sample", "zero-copy"])
 def test_first_batch_arrives_before_the_shards_tail(dataset: Any, gate: Path, tmp_path: Path, kind: str) -> None:
     url, opts, content = dataset
     cache = tmp_path / "cache"
@@ -87,17 +88,23 @@ def test_first_batch_arrives_before_the_shards_tail(dataset: Any, gate: Path, tm
         sd = StreamingDataset(url, cache_dir=cache, storage_options=opts)
         loader: Any = DataLoader(sd, batch_size=16, num_workers=2, collate_fn=collate)
     else:
-        sd = StreamingDataset(url, cache_dir=cache, storage_options=opts, batch_size=16)
+        sd = StreamingDataset(url, cache_dir=cache, storage_options=opts, batch_size=16, zero_copy=kind == "zero-copy")
         loader = StreamingDataLoader(sd, num_workers=2 if kind == "workers" else 0)
     it = iter(loader)
-    first = batch_items(next(it))
+    batch = next(it)
+    first = batch_items(batch)
     assert len(first) == 16 and all(content[k] == v for k, v in first.items())
     assert cached_shards(cache) == []  # nothing is cached before the whole shard is in and checked
+    if kind == "zero-copy":  # no copy: views of the file the download is filling
+        where = {mapped_file(np.asarray(v).ctypes.data) for v in batch["bin"]}
+        assert len(where) == 1 and where.pop().startswith(str(cache)), where
     gate.touch()
     got = dict(first)
-    for batch in it:
-        got.update(batch_items(batch))
+    for later in it:
+        got.update(batch_items(later))
     assert got == content
+    # Zero-copy views of the landing file hold the same bytes once it is published and closed.
+    assert batch_items(batch) == first
     assert not (tmp_path / "late").exists()
     assert len(cached_shards(cache)) == 2
     if kind == "main":

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import shardkit
+from procmaps import mapped_file
 from randomds import pack_random
 from shardkit import StreamingDataLoader, StreamingDataset
 from shardkit.batch.collate import unpack
@@ -22,17 +23,6 @@ N = 400
 def ds_url(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
     return pack_random(tmp_path_factory.mktemp("zc"), n=N, max_body=6000, classes=5, shard_bytes="64KB",
                        seed=9, prefix="z")
-
-
-def mapped_file(addr: int) -> str:
-    """The file mapped at address ``addr`` in this process ('' for anonymous memory)."""
-    with open(f"/proc/{os.getpid()}/maps") as f:
-        for line in f:
-            parts = line.split()
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= addr < hi:
-                return parts[5] if len(parts) > 5 else ""
-    return ""
 
 
 @pytest.mark.parametrize("shuffle,world", [(False, 1), (True, 3)])
