@@ -9,13 +9,14 @@ import os
 from shardkit.cache.files import FileLock, ShardRef
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING, Landing
+from shardkit.cache.open_shard import OpenShard
 
 __all__ = ["CachedShard"]
 
 log = logging.getLogger(__name__)
 
 
-class CachedShard:
+class CachedShard(OpenShard):
     """A verified shard on local disk, pinned against eviction until :meth:`close`.
 
     Made by :meth:`~shardkit.cache.shard_cache.ShardCache.open`.
@@ -39,32 +40,11 @@ class CachedShard:
 
     def __init__(self, ref: ShardRef, path: str, fd: int, pin: FileLock, *, verified: bool = False,
                  landing: Landing | None = None) -> None:
-        self.ref, self.path = ref, path
+        super().__init__(ref, path, fd, landing)
         self.verified = verified
-        self._fd, self._pin = fd, pin
+        self._pin = pin
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
-        self._landing = landing
-
-    @property
-    def hot(self) -> memoryview | None:
-        """The shard's verified bytes in this process's landing buffer, while the shard is open
-        (``open(landing=True)``, when the buffer still holds them): copy from them, never hand
-        out views of them."""
-        return self._landing.view() if self._landing is not None else None
-
-    def fileno(self) -> int:
-        """The open file (read-only), valid until :meth:`close`: for ``os.preadv`` copies.
-
-        Returns:
-            Its file descriptor.
-
-        Raises:
-            ValueError: the shard is closed.
-        """
-        if self._fd < 0:
-            raise ValueError(f"shard {self.ref.name} is closed")
-        return self._fd
 
     def buffer(self, keep: bool = False) -> memoryview:
         """A read-only memoryview of the whole file (mapped on first call).
@@ -79,17 +59,16 @@ class CachedShard:
         Raises:
             ValueError: the shard is closed.
         """
-        if self._fd < 0:
-            raise ValueError(f"shard {self.ref.name} is closed")
+        fd = self.fileno()  # refuses a closed shard
         if self._view is None:
-            kept = KEPT.get(self.path, self._fd, self.ref.size) if keep else None
+            kept = KEPT.get(self.path, fd, self.ref.size) if keep else None
             if kept is not None:
                 self._view = memoryview(kept)  # not self._mmap: close() leaves a kept map open
                 return self._view
             if self.ref.size:
                 # No MAP_POPULATE: DataLoader workers take turns in batches, so each reads only
                 # part of a shard; populating all of it in every worker faults in pages it never reads.
-                self._mmap = mmap.mmap(self._fd, self.ref.size, access=mmap.ACCESS_READ)
+                self._mmap = mmap.mmap(fd, self.ref.size, access=mmap.ACCESS_READ)
             self._view = memoryview(self._mmap if self._mmap is not None else b"")
         return self._view
 

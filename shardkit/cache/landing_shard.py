@@ -20,6 +20,7 @@ import numpy as np
 
 from shardkit.cache.files import ShardRef
 from shardkit.cache.landing import LANDING, Landing
+from shardkit.cache.open_shard import OpenShard
 from shardkit.cache.progress import LANDING as IN_FLIGHT
 from shardkit.cache.progress import Progress, ProgressFile, RemoteState, Spans
 from shardkit.config import LOCK_WAIT_ENV
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 _POLL = 0.01  # longest sleep between two looks at another process's progress file
 
 
-class LandingShard:
+class LandingShard(OpenShard):
     """A shard whose download is in flight: samples readable once verified, nothing pinned.
 
     Made by the cache (:meth:`local` or :meth:`remote`).
@@ -53,12 +54,12 @@ class LandingShard:
     verified = False
 
     def __init__(self, ref: ShardRef, path: str, fd: int, quiet: float) -> None:
-        self.ref, self.path, self._fd, self._quiet = ref, path, fd, quiet
+        super().__init__(ref, path, fd, None)
+        self._quiet = quiet
         self._local: Progress | None = None
         self._file: ProgressFile | None = None
         self._head: RemoteState | None = None
         self._spans: Spans | None = None
-        self._landing: Landing | None = None
         self._mmap: mmap.mmap | None = None
         self._view: memoryview | None = None
         self.error: BaseException | None = None  # a download of this process that failed for good
@@ -129,25 +130,6 @@ class LandingShard:
 
     # ---- what readers use (as of a CachedShard) ----------------------------------------------
 
-    @property
-    def hot(self) -> memoryview | None:
-        """This process's landing buffer the download fills, if it does (pinned for this reader):
-        copy the verified samples from it, never hand out views of it."""
-        return self._landing.view() if self._landing is not None else None
-
-    def fileno(self) -> int:
-        """The temp file (read-only), valid until :meth:`close`.
-
-        Returns:
-            Its file descriptor.
-
-        Raises:
-            ValueError: the shard is closed.
-        """
-        if self._fd < 0:
-            raise ValueError(f"shard {self.ref.name} is closed")
-        return self._fd
-
     def buffer(self, keep: bool = False) -> memoryview:
         """A read-only map of the whole temp file (only verified samples may be read from it).
 
@@ -160,13 +142,12 @@ class LandingShard:
         Raises:
             ValueError: the shard is closed.
         """
-        if self._fd < 0:
-            raise ValueError(f"shard {self.ref.name} is closed")
+        fd = self.fileno()  # refuses a closed shard
         if self._view is None:
             # Safe to map: the download made the file its full size before any sample was
             # verified, and the cache never shortens a temp file (a new attempt is a new inode).
             if self.ref.size:
-                self._mmap = mmap.mmap(self._fd, self.ref.size, access=mmap.ACCESS_READ)
+                self._mmap = mmap.mmap(fd, self.ref.size, access=mmap.ACCESS_READ)
             self._view = memoryview(self._mmap if self._mmap is not None else b"")
         return self._view
 

@@ -134,8 +134,19 @@ def setup(tmp_path: Path, size: int = 1 << 20, **kw: Any) -> tuple[Any, ShardRef
     return s, replace(ref, samples=samples_of(data)), reader, data
 
 
+def samples(ref: ShardRef) -> SampleTable:
+    """The shard's sample table (setup() always gives one)."""
+    assert ref.samples is not None
+    return ref.samples
+
+
+def span(table: SampleTable, p: int) -> tuple[int, int]:
+    """(offset, size) of sample ``p``'s bytes in the shard."""
+    return int(table.offsets[p]), int(table.sizes[p])
+
+
 def sample_bytes(shard: CachedShard | LandingShard, table: SampleTable, p: int) -> bytes:
-    start, size = int(table.offsets[p]), int(table.sizes[p])
+    start, size = span(table, p)
     return os.pread(shard.fileno(), size, start)
 
 
@@ -149,8 +160,7 @@ def gate() -> Any:
 
 def test_a_sample_is_served_before_the_shards_last_byte_lands(tmp_path: Path, gate: str) -> None:
     s, ref, reader, data = setup(tmp_path, gate_at=512 << 10, gate=gate)
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     first = np.arange(5)
     last = len(table) - 1
     with s.cache(100 << 20) as cache:
@@ -176,10 +186,8 @@ def test_a_sample_is_served_before_the_shards_last_byte_lands(tmp_path: Path, ga
 
 def test_a_flipped_byte_is_read_again_and_never_served(tmp_path: Path, gate: str) -> None:
     s, ref, _, data = setup(tmp_path)
-    table = ref.samples
-    assert table is not None
-    p = 7
-    lo, n = int(table.offsets[p]), int(table.sizes[p])
+    table, p = samples(ref), 7
+    lo, n = span(table, p)
     # The tail waits until the reader has its sample: it follows the download while it lands.
     reader = Gated(s.remote.src, str(tmp_path / "reads.log"), flip_at=lo + n // 2, gate_at=512 << 10, gate=gate)
     with s.cache(100 << 20) as cache:
@@ -198,10 +206,8 @@ def test_a_flipped_byte_is_read_again_and_never_served(tmp_path: Path, gate: str
 
 def test_a_sample_corrupt_on_every_read_is_one_clear_error(tmp_path: Path, gate: str) -> None:
     s, ref, _, data = setup(tmp_path)
-    table = ref.samples
-    assert table is not None
-    p = 7
-    lo, n = int(table.offsets[p]), int(table.sizes[p])
+    table, p = samples(ref), 7
+    lo, n = span(table, p)
     reader = Gated(s.remote.src, str(tmp_path / "reads.log"), flip_at=lo + 3, flip_always=True, gate_at=512 << 10,
                    gate=gate)
     with s.cache(100 << 20) as cache:
@@ -224,8 +230,7 @@ def test_a_sample_corrupt_on_every_read_is_one_clear_error(tmp_path: Path, gate:
 
 def test_the_file_is_cached_only_after_the_whole_shard_checks_out(tmp_path: Path, gate: str) -> None:
     s, ref, _, data = setup(tmp_path)
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     # A byte no sample holds (the archive's end) comes flipped on every read: each sample checks
     # out, the whole shard never does.
     reader = Gated(s.remote.src, str(tmp_path / "reads.log"), flip_at=len(data) - 10, flip_always=True,
@@ -266,8 +271,7 @@ def test_another_process_reads_the_samples_landed_so_far(tmp_path: Path) -> None
     gate_file, tail = tmp_path / "gate", tmp_path / "tail"
     s, ref, reader, data = setup(tmp_path, gate_at=512 << 10, gate_file=str(gate_file), gate2_at=768 << 10,
                                  gate2_file=str(tail))
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     with s.cache(100 << 20) as cache:
         cache.prefetch([ref], reader, max_ahead=1)
         wait_for(lambda: (p := INFLIGHT.get(str(s.final(ref)))) is not None and p.landed_bytes >= 512 << 10)
@@ -289,8 +293,7 @@ def test_another_process_reads_the_samples_landed_so_far(tmp_path: Path) -> None
 
 def test_a_reader_that_joins_a_download_gets_what_landed_verified_at_once(tmp_path: Path, gate: str) -> None:
     s, ref, reader, data = setup(tmp_path, gate_at=512 << 10, gate=gate)
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     with s.cache(100 << 20) as cache:
         cache.prefetch([ref], reader, max_ahead=1)
         wait_for(lambda: (p := INFLIGHT.get(str(s.final(ref)))) is not None and p.landed_bytes >= 512 << 10)
@@ -331,8 +334,7 @@ def test_a_reader_killed_mid_shard_leaves_the_cache_consistent(tmp_path: Path, g
     assert child.pid is not None
     os.kill(child.pid, signal.SIGKILL)
     child.join(30)
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     with s.cache(100 << 20) as cache:
         shard = cache.open(ref, reader, stream=True)  # the dead download's file and progress are not trusted
         assert isinstance(shard, LandingShard)
@@ -353,8 +355,7 @@ def test_a_failed_attempt_keeps_what_its_readers_hold_and_the_next_one_lands_ane
     """The first attempt's whole-shard check fails (a byte no sample holds, flipped once): its
     readers keep reading what they were told is verified, from an inode the retry never touches."""
     s, ref, _, data = setup(tmp_path)
-    table = ref.samples
-    assert table is not None
+    table = samples(ref)
     once = Gated(s.remote.src, str(tmp_path / "reads.log"), flip_at=len(data) - 10, flip_once=str(tmp_path / "flipped"),
                  gate_at=len(data) - PART, gate=gate)
 

@@ -11,17 +11,7 @@ import shardkit
 from shardkit import StreamingDataset
 from shardkit.read.cache_refs import cache_namespace
 from shardkit.read.manifest_copies import manifest_copies_dir
-
-
-def folder(root: Path, keys: list[str], body: str = "body") -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for k in keys:
-        (root / f"{k}.txt").write_text(f"{body} of {k} " * 20)
-    return root
-
-
-A = [f"a{i:02d}" for i in range(12)]
-B = [f"b{i:02d}" for i in range(6)]
+from textfolders import A, B, text_folder
 
 
 def read_all(url: str, cache: Path, **kw: Any) -> tuple[list[str], dict[str, Any], StreamingDataset]:
@@ -34,13 +24,13 @@ def read_all(url: str, cache: Path, **kw: Any) -> tuple[list[str], dict[str, Any
 def test_a_job_on_an_appended_version_downloads_only_the_new_shards_and_a_repack_everything(
         s3_env: Any, s3_bucket: str, tmp_path: Path) -> None:
     url = f"{s3_bucket}/ds"
-    shardkit.pack(str(folder(tmp_path / "a", A)), url, shard_samples=3, progress=False)
+    shardkit.pack(str(text_folder(tmp_path / "a", A, repeat=20)), url, shard_samples=3, progress=False)
     cache = tmp_path / "cache"
     keys, stats, first = read_all(url, cache)
     v1_bytes = sum(first.ds.shards.column("bytes").to_pylist())
     assert sorted(keys) == A and stats["bytes_fetched"] == v1_bytes and stats["misses"] == 4
 
-    shardkit.pack(str(folder(tmp_path / "b", B)), url, shard_samples=3, progress=False, append=True)
+    shardkit.pack(str(text_folder(tmp_path / "b", B, repeat=20)), url, shard_samples=3, progress=False, append=True)
     keys, stats, second = read_all(url, cache)
     assert second.ds.version == 2 and sorted(keys) == sorted(A + B)
     new = second.ds.shards.column("bytes").to_pylist()[4:]
@@ -58,7 +48,7 @@ def test_a_job_on_an_appended_version_downloads_only_the_new_shards_and_a_repack
 
     # A re-pack at the URL (other bytes under the same shard names): a new namespace, every
     # shard downloaded again, and the new bytes read (never the old pack's cached files).
-    shardkit.pack(str(folder(tmp_path / "a2", A, body="other")), url, shard_samples=3, progress=False,
+    shardkit.pack(str(text_folder(tmp_path / "a2", A, body="other", repeat=20)), url, shard_samples=3, progress=False,
                   overwrite=True)
     keys, stats, third = read_all(url, cache, decode=None)
     repacked = third.ds

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import os
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 import shardkit
+from cachewalk import cache_files
 from rank_procs import free_port
 from rank_procs import run_ranks as launch
 
@@ -121,32 +121,10 @@ def peak_size(cache: Path) -> Iterator[list[int]]:
     """Sample the bytes under ``cache`` every few ms while the block runs: [peak]."""
     peak, stop = [0], threading.Event()
 
-    def walk() -> int:
-        sizes: dict[int, int] = {}  # by inode: a download renamed from .tmp/ mid-walk is seen twice
-        for root, _, files in os.walk(cache):
-            for f in files:
-                try:
-                    st = os.stat(os.path.join(root, f))
-                except FileNotFoundError:
-                    continue
-                sizes[st.st_ino] = st.st_size
-        return sum(sizes.values())
-
     def sample() -> None:
-        # Each walk holds the cache's global lock (shared), under which readers reserve, evict
-        # and publish: an unlocked walk could count a file evicted mid-walk and the download
-        # that took its room, which never coexisted.
         while not stop.is_set():
-            lock = os.path.join(cache, ".global.lock")
-            if not os.path.exists(lock):
-                time.sleep(0.005)
-                continue
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                peak[0] = max(peak[0], walk())
-            finally:
-                os.close(fd)
+            # By inode: one file under two names (a landing attempt and its published name) counts once.
+            peak[0] = max(peak[0], sum({st.st_ino: st.st_size for _, st in cache_files(cache)}.values()))
             time.sleep(0.005)
 
     t = threading.Thread(target=sample, daemon=True)

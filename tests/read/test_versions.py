@@ -12,28 +12,18 @@ import shardkit
 from shardkit.errors import ConfigError, DatasetNotFoundError
 from shardkit.read.manifest import count_faults, read_info, read_shards
 from shardkit.storage.store import Store
-
-
-def folder(root: Path, keys: list[str]) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for k in keys:
-        (root / f"{k}.txt").write_text(f"body of {k} " * 10)
-    return root
-
-
-A = [f"a{i:02d}" for i in range(12)]
-B = [f"b{i:02d}" for i in range(6)]
+from textfolders import A, B, text_folder
 
 
 @pytest.fixture
 def v1(tmp_path: Path) -> str:
     url = str(tmp_path / "ds")
-    shardkit.pack(str(folder(tmp_path / "a", A)), url, shard_samples=3, progress=False)
+    shardkit.pack(str(text_folder(tmp_path / "a", A)), url, shard_samples=3, progress=False)
     return url
 
 
 def _append(tmp_path: Path, url: str) -> None:
-    shardkit.pack(str(folder(tmp_path / "b", B)), url, shard_samples=3, progress=False, append=True)
+    shardkit.pack(str(text_folder(tmp_path / "b", B)), url, shard_samples=3, progress=False, append=True)
 
 
 def test_never_appended_is_version_1(v1):

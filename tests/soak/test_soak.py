@@ -14,7 +14,6 @@ Bounded: the readers are killed (and the test fails) after ``DEADLINE`` seconds.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ import pytest
 import xxhash
 
 import shardkit
+from cachewalk import cache_files
 from faultproxy import FaultProxy, Rule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,32 +47,12 @@ SOAK_FAULTS = {"reset_mid": 0.015, "truncate": 0.015, "error500": 0.015, "flip":
 
 def _disk(cache_dir: Path) -> tuple[int, int, int, list[tuple[str, int]]]:
     """(bytes of the files' sizes, bytes of their allocated blocks, how many files have
-    blocks, the files of non-zero size) under
-    ``cache_dir``, read under the cache's global lock (shared), as the cache's own accounting
-    does: reserving, evicting and renaming a download into place all hold it exclusively, so
-    the walk sees one moment, not a file evicted and its successor's reservation both."""
-    lock = cache_dir / ".global.lock"
-    fd = os.open(lock, os.O_RDONLY) if lock.exists() else -1
-    try:
-        if fd >= 0:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        size = blocks = allocated = 0
-        files = []
-        for root, _dirs, names in os.walk(cache_dir):
-            for name in names:
-                try:
-                    st = os.lstat(os.path.join(root, name))
-                except OSError:
-                    continue
-                size += st.st_size
-                blocks += st.st_blocks * 512
-                allocated += st.st_blocks > 0
-                if st.st_size:
-                    files.append((os.path.relpath(os.path.join(root, name), cache_dir), st.st_size))
-        return size, blocks, allocated, files
-    finally:
-        if fd >= 0:
-            os.close(fd)  # releases the lock
+    blocks, the files of non-zero size) under ``cache_dir`` at one moment (:func:`cache_files`)."""
+    stats = cache_files(cache_dir)
+    size = sum(st.st_size for _, st in stats)
+    blocks = sum(st.st_blocks * 512 for _, st in stats)
+    allocated = sum(st.st_blocks > 0 for _, st in stats)
+    return size, blocks, allocated, [(rel, st.st_size) for rel, st in stats if st.st_size]
 
 
 def _shm() -> set[str]:
