@@ -46,7 +46,7 @@ KINDS = {
 
 #: shardkit's loader modes (benchmarks/matrix_rows.py), as tables and charts name them.
 MODES = {
-    "per_sample": "plain DataLoader, per-sample dicts (2 workers)",
+    "per_sample": "plain DataLoader, per-sample dicts (2 workers, shardkit.collate)",
     "workers": "StreamingDataLoader, 2 workers",
     "threads": "num_workers=0, read threads",
     "zero_copy": "zero-copy views (num_workers=0)",

@@ -3,8 +3,9 @@ process by benchmarks/forkrun.py (``args`` is the row's JSON config from benchma
 
 Loader modes (``args["mode"]``), every one reading the same shards with the same batch size:
 
-- ``per_sample``: a plain ``torch.utils.data.DataLoader`` (2 workers, torch's default collate)
-  over a per-sample ``StreamingDataset`` (``loader_batch_size`` set, as the docs advise);
+- ``per_sample``: a plain ``torch.utils.data.DataLoader`` (2 workers, ``collate_fn=shardkit.collate``
+  as the docs advise) over a per-sample ``StreamingDataset`` (``loader_batch_size`` set); runs
+  before 2026-12-02 18:00Z used torch's default collate here, as the peers' per-sample rows do;
 - ``workers``: ``StreamingDataLoader`` with 2 workers building batches (shared ring handoff);
 - ``threads``: ``StreamingDataLoader(num_workers=0)``, batches filled by the stream's read threads;
 - ``zero_copy``: ``num_workers=0``, batches of views into the node cache's files;
@@ -118,7 +119,8 @@ def _make_loader(args: dict[str, Any], cache: str | None) -> Any:
     url = f"s3://{args['bucket']}/sk"
     if mode == "per_sample":
         ds = shardkit.StreamingDataset(url, loader_batch_size=batch, **kw)
-        return lambda: DataLoader(ds, batch_size=batch, num_workers=2, persistent_workers=False)
+        return lambda: DataLoader(ds, batch_size=batch, num_workers=2, persistent_workers=False,
+                                  collate_fn=shardkit.collate)
     ds = shardkit.StreamingDataset(url, batch_size=batch, zero_copy=mode == "zero_copy", **kw)
     if mode in ("workers", "nocache"):
         return lambda: shardkit.StreamingDataLoader(ds, num_workers=2, persistent_workers=False)
