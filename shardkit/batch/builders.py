@@ -123,9 +123,13 @@ class BatchBuilder:
             todo = positions.tolist()
             i = 0
             while i < len(todo):
-                held = source.get(shard, positions[i:], runs.buf)
+                # Asked for a chunk at a time: a shard still landing then serves its first
+                # samples once they are verified, not once the rest of this reader's share
+                # (often the whole shard) is; a cached shard is read on to the run's end.
+                step = min(len(todo), i + chunk - n % chunk)
+                held = source.get(shard, positions[i:step], runs.buf)
                 view, base = held.view, held.base
-                stop = min(len(todo), i + chunk - n % chunk) if tight else len(todo)
+                stop = step if tight or held.landing is not None else len(todo)
                 keys, names, offs, sizes = rows.spans(positions[i:stop])
                 for k, p in enumerate(todo[i:stop]):
                     sample = sample_from(view, base, keys[k], first + p, path, names[k], offs[k], sizes[k], raw)

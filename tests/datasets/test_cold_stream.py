@@ -9,6 +9,7 @@ last byte did, and the cache file appearing only after. Then every byte is compa
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -80,13 +81,18 @@ def batch_items(batch: dict[str, Any]) -> dict[str, bytes]:
     return {k: bytes(v) for k, v in zip(batch["__key__"], batch["bin"])}
 
 
-@pytest.mark.parametrize("kind", ["main", "workers", "per-sample", "zero-copy"])
-def test_first_batch_arrives_before_the_shards_tail(dataset: Any, gate: Path, tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["main", "workers", "per-sample", "per-sample-main", "zero-copy"])
+def test_first_batch_arrives_before_the_shards_tail(dataset: Any, gate: Path, tmp_path: Path, kind: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     url, opts, content = dataset
+    if kind == "per-sample-main":
+        # Hold back all but the first ~500 KB: the reader's first run of samples (256 of ~4 KB)
+        # reaches past it, its first batch (16) does not: it must not wait for the whole run.
+        monkeypatch.setattr(sys.modules[__name__], "GATE_AT", 500_000)
     cache = tmp_path / "cache"
-    if kind == "per-sample":
-        sd = StreamingDataset(url, cache_dir=cache, storage_options=opts)
-        loader: Any = DataLoader(sd, batch_size=16, num_workers=2, collate_fn=collate)
+    if kind.startswith("per-sample"):  # -main: one reader in this process, its share the whole shard
+        sd = StreamingDataset(url, cache_dir=cache, storage_options=opts, loader_batch_size=16)
+        loader: Any = DataLoader(sd, batch_size=16, num_workers=0 if kind.endswith("main") else 2, collate_fn=collate)
     else:
         sd = StreamingDataset(url, cache_dir=cache, storage_options=opts, batch_size=16, zero_copy=kind == "zero-copy")
         loader = StreamingDataLoader(sd, num_workers=2 if kind == "workers" else 0)
