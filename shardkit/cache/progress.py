@@ -179,10 +179,19 @@ class Progress:
         when another one of ``pos`` fails for good, whose IntegrityError is raised after."""
         good: list[int] = []
         bad: list[int] = []
+        in_file: list[int] = []  # what other processes, reading the temp file, may be told of
         error: IntegrityError | None = None
         for p in pos.tolist():
             try:
-                (good if self._check(p, repair) else bad).append(p)
+                before = len(self.repaired)
+                if self._check(p, repair):
+                    good.append(p)
+                    # A sample read again went into the landing buffer only: the file gets it
+                    # when the fill ends, so readers of the file wait for the published shard.
+                    if self.landing is None or len(self.repaired) == before:
+                        in_file.append(p)
+                else:
+                    bad.append(p)
             except IntegrityError as exc:
                 error = error or exc
                 bad.append(p)
@@ -192,7 +201,7 @@ class Progress:
             self.ticks += 1
             self._cv.notify_all()
         if self.file is not None:
-            self.file.mark(_runs(sorted(good)))
+            self.file.mark(_runs(sorted(in_file)))
             self.file.state(self.landed_bytes, LANDING)
         if error is not None:
             raise error

@@ -124,6 +124,13 @@ def open_held(cache: ShardCache, ref: ShardRef, fetch: ReaderFor, positions: np.
                             join_below=join_below)
         if not isinstance(handle, LandingShard):
             return Held(0, handle.ref.size, handle=handle, keep_map=keep_map)
+        if handle.hot is not None and not landing:
+            # This process's download lands in a buffer and writes the file behind it (a
+            # sample read again reaches the file last): only a caller copying from the buffer
+            # may read the shard while it lands; views of the file wait for the published shard.
+            handle.close()
+            stream = False
+            continue
         try:
             if handle.wait(positions):
                 return Held(0, handle.ref.size, handle=handle)

@@ -29,6 +29,7 @@ from shardkit.cache.files import ShardRef
 from shardkit.cache.progress import INFLIGHT, SampleTable
 from shardkit.cache.shard_cache import CachedShard, LandingShard, ShardCache
 from shardkit.errors import IntegrityError
+from shardkit.read.held import open_held
 from shardkit.storage.ranged import PartCallback
 
 pytestmark = pytest.mark.timeout(120)
@@ -403,3 +404,25 @@ def test_sequential_readers_and_shards_without_samples_open_as_before(tmp_path: 
             assert isinstance(shard, CachedShard) and bytes(shard.buffer()) == data2
         assert cache.stats()["streamed"] == 0
 
+
+
+def test_view_readers_do_not_read_a_shard_landing_in_a_buffer_of_this_process(tmp_path: Path, gate: str) -> None:
+    # A copying reader's download lands in a buffer and writes the file behind it; a reader of
+    # views (zero-copy, per-sample) of the same shard in this process waits for the whole shard.
+    s, ref, reader, data = setup(tmp_path, gate_at=512 << 10, gate=gate)
+    table = samples(ref)
+    first = np.arange(3)
+    with s.cache(100 << 20) as cache:
+        copier = cache.open(ref, reader, stream=True, landing=True)
+        assert isinstance(copier, LandingShard) and copier.hot is not None
+        assert copier.wait(first)
+        with ThreadPoolExecutor(1) as pool:
+            viewer = pool.submit(open_held, cache, ref, reader, first, 0, landing=False, stream=True, keep_map=False)
+            with pytest.raises(TimeoutError):
+                viewer.result(timeout=0.5)  # not served from the landing file
+            GATES[gate].set()
+            held = viewer.result(timeout=30)
+        assert isinstance(held.handle, CachedShard) and held.handle.verified
+        assert bytes(held.view) == data
+        held.close()
+        copier.close()
