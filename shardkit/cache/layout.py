@@ -9,6 +9,8 @@ its locks with its file descriptors. Layout of ``cache_dir`` (the limit covers a
                                     (a parallel download has st_size <size> while in flight)
     <ns>/.locks/<file>.pin          flock SH by readers while open, EX|NB by the evictor
     <ns>/.locks/<file>.dl           flock EX by the one process downloading the shard
+    <ns>/.locks/<file>.landed       the progress of a download in flight (128 bytes and one per
+                                    sample; emptied when it ends): counted with the downloads
 
 Lock order is pin -> dl -> global. The global lock is held only for metadata work and tries
 other locks only with LOCK_NB, so nobody waits while holding it and nothing can deadlock.
@@ -30,6 +32,7 @@ from typing import Iterator
 
 from shardkit.cache.files import NO_SPACE, FileLock, list_with_stat, preallocate, unlink_quiet
 from shardkit.cache.lock_wait import wait_lock
+from shardkit.cache.progress_file import PROGRESS_SUFFIX
 from shardkit.config import human_bytes
 from shardkit.errors import CacheDiskFullError, ConfigError
 from shardkit.util.procs import pid_alive
@@ -263,6 +266,30 @@ class CacheDir:
                 file, size, pid = (m["file"], int(m["size"]), int(m["pid"])) if m else (t.name, 0, 0)
                 out.append(CacheEntry(t.path, ns.name, file, max(st.st_size, size), st.st_mtime_ns, True, pid))
         return out
+
+    def progress_bytes(self) -> int:
+        """Bytes the progress files of downloads in flight take, all namespaces (files of
+        downloads that ended are empty; one a killed process left counts until the shard's next
+        download starts it anew).
+
+        Returns:
+            Their sizes' sum (exact with the global lock held).
+        """
+        total = 0
+        for ns, _ in list_with_stat(self.root):
+            if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with os.scandir(os.path.join(ns.path, ".locks")) as it:
+                    for e in it:  # stat only the progress files: the locks beside them are many
+                        if e.name.endswith(PROGRESS_SUFFIX):
+                            try:
+                                total += e.stat(follow_symlinks=False).st_size
+                            except FileNotFoundError:
+                                continue
+            except FileNotFoundError:
+                continue
+        return total
 
     def adopt(self, file: str, size: int) -> tuple[str, int] | None:
         """Take over a partial download of ``file`` (``size`` bytes) left by any process.

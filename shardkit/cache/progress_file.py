@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-__all__ = ["ProgressFile", "RemoteState", "LANDING", "DONE", "FAILED"]
+__all__ = ["ProgressFile", "RemoteState", "LANDING", "DONE", "FAILED", "PROGRESS_SUFFIX", "progress_file_size"]
 
 LANDING, DONE, FAILED = 1, 2, 3  # states of a download in flight
 _MAGIC = b"SKLAND01"
@@ -30,6 +30,20 @@ _HEAD = struct.Struct("<8s7Q")  # magic, pid, attempt, dev, ino, samples, bytes 
 _SUM = struct.Struct("<Q")
 _FOLLOWED_AT = 120  # a reader in another process sets this byte: verify samples as they land
 _FLAGS_AT = 128  # flags start here, one byte per sample (1: verified)
+PROGRESS_SUFFIX = ".landed"  # <ns>/.locks/<file>.landed
+
+
+def progress_file_size(samples: int) -> int:
+    """The bytes the progress file of a download of a ``samples``-sample shard takes while it
+    is in flight (the node cache reserves them with the shard's).
+
+    Args:
+        samples: the shard's sample count.
+
+    Returns:
+        Header and flags.
+    """
+    return _FLAGS_AT + samples
 
 
 class ProgressFile:
@@ -62,7 +76,7 @@ class ProgressFile:
             samples: the shard's samples.
         """
         os.ftruncate(self.fd, 0)  # a reader then sees no header until the new one is whole
-        os.ftruncate(self.fd, _FLAGS_AT + samples)
+        os.ftruncate(self.fd, progress_file_size(samples))
         self._head = (os.getpid(), attempt, st.st_dev, st.st_ino, samples)
         self.state(0, LANDING)
 

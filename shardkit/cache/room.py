@@ -12,11 +12,12 @@ from shardkit.cache.files import NO_SPACE, FileLock, ShardRef, preallocate, unli
 from shardkit.cache.kept_maps import KEPT
 from shardkit.cache.landing import LANDING
 from shardkit.cache.layout import EX_NB, CacheDir, CacheEntry
+from shardkit.cache.progress_file import progress_file_size
 from shardkit.cache.schedule import Schedule
 from shardkit.config import human_bytes
 from shardkit.errors import CacheFullError, NoRoomError
 
-__all__ = ["Room", "Planned", "WAIT_NOTE_SECONDS"]
+__all__ = ["Room", "Planned", "WAIT_NOTE_SECONDS", "footprint"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,20 @@ WAIT_NOTE_SECONDS = 30.0  # a reader blocked on a full cache says so this often 
 Planned = Optional[Mapping[str, int]]
 """For a prefetch, the files (and sizes) planned before it: it must neither evict them nor take
 their room. None: a reader's own open."""
+
+
+def footprint(ref: ShardRef) -> int:
+    """The bytes a download of ``ref`` takes under ``cache_limit`` at most: the shard, and the
+    progress file that lets other processes read its samples as they land (a shard whose
+    samples the reader knows).
+
+    Args:
+        ref: the shard.
+
+    Returns:
+        Bytes.
+    """
+    return ref.size + (progress_file_size(len(ref.samples)) if ref.samples is not None else 0)
 
 
 class Room:
@@ -75,7 +90,8 @@ class Room:
                     if got is not None:
                         return got
                     entries = self._dir.scan()
-                    excess = sum(e.size for e in entries) + ref.size - self._limit
+                    # The progress files of downloads in flight are on the same disk: counted too.
+                    excess = sum(e.size for e in entries) + self._dir.progress_bytes() + footprint(ref) - self._limit
                     if planned is not None:
                         excess += self._room_for_sooner(file, planned, entries)
                     blockers = self._evict(entries, excess, file, planned) if excess > 0 else None

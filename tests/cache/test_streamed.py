@@ -25,8 +25,10 @@ import pytest
 import xxhash
 
 from cachefakes import NS, FnReader, make_store, wait_for
+from cachewalk import cache_files
 from shardkit.cache.files import ShardRef
 from shardkit.cache.progress import INFLIGHT, SampleTable
+from shardkit.cache.progress_file import progress_file_size
 from shardkit.cache.shard_cache import CachedShard, LandingShard, ShardCache
 from shardkit.errors import IntegrityError
 from shardkit.read.held import open_held
@@ -426,3 +428,41 @@ def test_view_readers_do_not_read_a_shard_landing_in_a_buffer_of_this_process(tm
         assert bytes(held.view) == data
         held.close()
         copier.close()
+
+
+def _on_disk(cache_dir: str) -> int:
+    """Bytes of every file under the cache directory at one moment (progress files included)."""
+    return sum(st.st_size for _, st in cache_files(cache_dir))
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["in-flight", "left-by-a-killed-downloader"])
+def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str, stale: bool) -> None:
+    """cache_limit bounds the shards, the downloads and their progress files together: a limit
+    with room for two shards but not for two and a progress file evicts the first shard to
+    download the second, and a progress file a killed downloader left non-empty counts too."""
+    size = 600 << 10
+    s = make_store(tmp_path, [size, size])
+    reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
+    a, b = (replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs)
+    limit = 2 * size + progress_file_size(len(samples(b))) - 1
+    if stale:  # then room for both shards and b's progress file, not for a stale one as well
+        limit += progress_file_size(len(samples(b)))
+    with s.cache(limit) as cache:
+        GATES[gate].set()
+        with cache.open(a, reader, stream=True):
+            pass
+        wait_for(lambda: cache.contains(a))
+        GATES[gate].clear()
+        if stale:
+            left = Path(s.cache_dir) / NS / ".locks" / "shards%2Fshard-000009.tar.landed"
+            left.write_bytes(bytes(progress_file_size(len(samples(b)))))
+        shard = cache.open(b, reader, stream=True)
+        assert isinstance(shard, LandingShard)
+        assert shard.wait(np.arange(3))  # b lands up to the gate: its temp file and progress file are there
+        on_disk = _on_disk(s.cache_dir)
+        assert on_disk <= limit, f"{on_disk} bytes on disk over cache_limit {limit}"
+        assert not cache.contains(a)  # a was evicted to make the room
+        GATES[gate].set()
+        shard.close()
+        wait_for(lambda: cache.contains(b))
+        assert _on_disk(s.cache_dir) <= limit
