@@ -6,7 +6,7 @@ import fcntl
 import os
 from pathlib import Path
 
-__all__ = ["cache_files"]
+__all__ = ["cache_files", "limited"]
 
 
 def cache_files(cache_dir: str | os.PathLike[str]) -> list[tuple[str, os.stat_result]]:
@@ -39,3 +39,19 @@ def cache_files(cache_dir: str | os.PathLike[str]) -> list[tuple[str, os.stat_re
     finally:
         if fd >= 0:
             os.close(fd)  # releases the lock
+
+
+LOCK_SUFFIXES = (".pin", ".dl", ".global.lock")  # a lock file holds its owner's pid at most
+
+
+def limited(files: list[tuple[str, os.stat_result]]) -> list[tuple[str, os.stat_result]]:
+    """Of :func:`cache_files`' list, what ``cache_limit`` bounds: shards, downloads in flight and
+    their progress files, not the lock files (docs/guide/cache.md, "Layout").
+
+    Args:
+        files: :func:`cache_files`' answer.
+
+    Returns:
+        Those entries.
+    """
+    return [(rel, st) for rel, st in files if not rel.endswith(LOCK_SUFFIXES)]

@@ -17,7 +17,7 @@ from shardkit.cache.schedule import Schedule
 from shardkit.config import human_bytes
 from shardkit.errors import CacheFullError, NoRoomError
 
-__all__ = ["Room", "Planned", "WAIT_NOTE_SECONDS", "footprint"]
+__all__ = ["Room", "Planned", "WAIT_NOTE_SECONDS", "footprint", "keeps_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +29,36 @@ Planned = Optional[Mapping[str, int]]
 their room. None: a reader's own open."""
 
 
-def footprint(ref: ShardRef) -> int:
-    """The bytes a download of ``ref`` takes under ``cache_limit`` at most: the shard, and the
-    progress file that lets other processes read its samples as they land (a shard whose
-    samples the reader knows).
+def keeps_progress(ref: ShardRef, limit: int) -> bool:
+    """Whether a download of ``ref`` keeps a progress file, which lets other processes read its
+    samples as they land: a shard whose samples the reader knows, with room for the file beside
+    it under ``limit`` (a limit of exactly one shard goes without: other processes wait for the
+    whole shard then).
 
     Args:
         ref: the shard.
+        limit: the cache's ``cache_limit``.
+
+    Returns:
+        True if it does.
+    """
+    return bool(ref.samples is not None and len(ref.samples)
+                and ref.size + progress_file_size(len(ref.samples)) <= limit)
+
+
+def footprint(ref: ShardRef, limit: int) -> int:
+    """The bytes a download of ``ref`` takes under ``limit`` at most: the shard, and its progress
+    file if it keeps one (:func:`keeps_progress`).
+
+    Args:
+        ref: the shard.
+        limit: the cache's ``cache_limit``.
 
     Returns:
         Bytes.
     """
-    return ref.size + (progress_file_size(len(ref.samples)) if ref.samples is not None else 0)
+    samples = ref.samples
+    return ref.size + (progress_file_size(len(samples)) if samples is not None and keeps_progress(ref, limit) else 0)
 
 
 class Room:
@@ -91,7 +109,7 @@ class Room:
                         return got
                     entries = self._dir.scan()
                     # The progress files of downloads in flight are on the same disk: counted too.
-                    excess = sum(e.size for e in entries) + self._dir.progress_bytes() + footprint(ref) - self._limit
+                    excess = sum(e.size for e in entries) + self._dir.progress_bytes() + footprint(ref, self._limit) - self._limit
                     if planned is not None:
                         excess += self._room_for_sooner(file, planned, entries)
                     blockers = self._evict(entries, excess, file, planned) if excess > 0 else None

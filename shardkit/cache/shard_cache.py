@@ -29,7 +29,7 @@ from shardkit.cache.layout import CacheDir, no_space_errno
 from shardkit.cache.landing_shard import LandingShard
 from shardkit.cache.lock_wait import clear_owner, wait_lock, write_owner
 from shardkit.cache.prefetch import Prefetcher
-from shardkit.cache.room import Planned, Room, footprint
+from shardkit.cache.room import Planned, Room
 from shardkit.cache.schedule import Schedule
 from shardkit.cache.streamed import Streams
 from shardkit.config import human_bytes
@@ -107,7 +107,7 @@ class ShardCache:
         self._schedule = Schedule()
         self._room = Room(self._dir, limit_bytes, self._schedule, wait_timeout, room_wait, self._add)
         self._prefetcher = Prefetcher("shardkit-cache-prefetch")
-        self._streams = Streams(self._dir, lambda: lock_wait_seconds() if lock_wait is None else lock_wait)
+        self._streams = Streams(self._dir, lambda: lock_wait_seconds() if lock_wait is None else lock_wait, limit_bytes)
         self._stalled: dict[str, tuple[float, StorageStalledError]] = {}  # file -> a prefetch's recent give-up
         try:
             with self._dir.locked():
@@ -221,7 +221,7 @@ class ShardCache:
             landing: as for :meth:`open`.
             at_once: downloads run at once (up to :data:`~shardkit.cache.prefetch.MAX_AT_ONCE`).
         """
-        plan = [r for r in refs[:max_ahead] if 0 <= r.size and footprint(r) <= self._limit]
+        plan = [r for r in refs[:max_ahead] if 0 <= r.size <= self._limit]
         jobs = [functools.partial(self._prefetch_one, r, fetch, {file_name(q.name): q.size for q in plan[:i]}, landing)
                 for i, r in enumerate(plan)]
         self._prefetcher.replace(jobs, at_once)
@@ -281,10 +281,8 @@ class ShardCache:
     def _open(self, ref: ShardRef, fetch: ReaderFor, landing: bool) -> CachedShard:
         if ref.size < 0:
             raise ConfigError(f"shard {ref.name} has a negative size {ref.size}")
-        if footprint(ref) > self._limit:
-            extra = footprint(ref) - ref.size
-            also = f" and its download's progress file {human_bytes(extra)}" if extra else ""
-            raise ConfigError(f"shard {ref.name} is {human_bytes(ref.size)}{also}, larger than cache_limit "
+        if ref.size > self._limit:
+            raise ConfigError(f"shard {ref.name} is {human_bytes(ref.size)}, larger than cache_limit "
                               f"{human_bytes(self._limit)}; raise cache_limit")
         file = file_name(ref.name)
         self._schedule.opened(file)

@@ -28,6 +28,7 @@ from shardkit.cache.landing import Landing
 from shardkit.cache.landing_shard import LandingShard
 from shardkit.cache.layout import CacheDir
 from shardkit.cache.progress import DONE, FAILED, INFLIGHT, Progress, ProgressFile
+from shardkit.cache.room import keeps_progress
 from shardkit.errors import IntegrityError
 from shardkit.storage.ranged import PartCallback, RangeReader, read_fully
 
@@ -53,11 +54,12 @@ class Tracker:
         fd: that file, open.
         buf: the landing buffer it lands into, if any.
         reader: the attempt's reader (a failed sample is read again with it).
-        progress_path: the progress file other processes read.
+        progress_path: the progress file other processes read (None: none is kept, they wait
+            for the published shard).
     """
 
     def __init__(self, ref: ShardRef, final: str, tmp: str, fd: int, buf: Landing | None, reader: RangeReader,
-                 progress_path: str, corrupt: Callable[[str, BaseException], None] | None = None) -> None:
+                 progress_path: str | None, corrupt: Callable[[str, BaseException], None] | None = None) -> None:
         self.ref, self.final, self.tmp, self.fd, self.buf = ref, final, tmp, fd, buf
         self._corrupt = corrupt
         self.reader, self.progress_path = reader, progress_path
@@ -76,8 +78,9 @@ class Tracker:
         assert self.ref.samples is not None
         st = os.fstat(self.fd)
         try:
-            self._file = ProgressFile(self.progress_path, writable=True)
-            self._file.start(next(_ATTEMPTS), st, len(self.ref.samples))
+            if self.progress_path is not None:
+                self._file = ProgressFile(self.progress_path, writable=True)
+                self._file.start(next(_ATTEMPTS), st, len(self.ref.samples))
         except OSError as exc:  # other processes wait for the whole shard, as before
             log.debug("cache: no progress file for %s: %s", self.ref.name, exc)
             self._file = None
@@ -162,10 +165,11 @@ class Streams:
     Args:
         where: the cache directory and namespace.
         quiet: seconds a reader waits while nothing lands (the cache's lock wait).
+        limit: the cache's ``cache_limit`` (a progress file must fit under it with its shard).
     """
 
-    def __init__(self, where: CacheDir, quiet: Callable[[], float]) -> None:
-        self._dir, self._quiet = where, quiet
+    def __init__(self, where: CacheDir, quiet: Callable[[], float], limit: int) -> None:
+        self._dir, self._quiet, self._limit = where, quiet, limit
         self._mu = threading.Lock()
         self._jobs: list[FillJob] = []
         self._corrupt: dict[str, tuple[float, BaseException]] = {}  # cache file -> when, the error
@@ -187,7 +191,8 @@ class Streams:
         """
         if not reader.parallel or ref.samples is None or not len(ref.samples):
             return None
-        return Tracker(ref, self._dir.final(file), tmp, fd, buf, reader, self.progress_path(file), self.found_corrupt)
+        progress = self.progress_path(file) if keeps_progress(ref, self._limit) else None
+        return Tracker(ref, self._dir.final(file), tmp, fd, buf, reader, progress, self.found_corrupt)
 
     def found_corrupt(self, final: str, error: BaseException) -> None:
         """A download of this process found the shard corrupt for good (remembered a while).

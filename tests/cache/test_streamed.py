@@ -25,7 +25,7 @@ import pytest
 import xxhash
 
 from cachefakes import NS, FnReader, make_store, wait_for
-from cachewalk import cache_files
+from cachewalk import cache_files, limited
 from shardkit.cache.files import ShardRef
 from shardkit.cache.progress import INFLIGHT, SampleTable
 from shardkit.cache.progress_file import progress_file_size
@@ -431,8 +431,8 @@ def test_view_readers_do_not_read_a_shard_landing_in_a_buffer_of_this_process(tm
 
 
 def _on_disk(cache_dir: str) -> int:
-    """Bytes of every file under the cache directory at one moment (progress files included)."""
-    return sum(st.st_size for _, st in cache_files(cache_dir))
+    """Bytes of the files cache_limit bounds at one moment (progress files included)."""
+    return sum(st.st_size for _, st in limited(cache_files(cache_dir)))
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["in-flight", "left-by-a-killed-downloader"])
@@ -466,3 +466,19 @@ def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str, stale
         shard.close()
         wait_for(lambda: cache.contains(b))
         assert _on_disk(s.cache_dir) <= limit
+
+
+def test_a_limit_of_one_shard_keeps_no_progress_file(tmp_path: Path, gate: str) -> None:
+    """A cache_limit of exactly one shard has no room for a progress file beside it: the download
+    goes without one (other processes wait for the published shard), and the limit holds."""
+    s, ref, reader, data = setup(tmp_path, size=600 << 10, gate_at=256 << 10, gate=gate)
+    with s.cache(ref.size) as cache:
+        shard = cache.open(ref, reader, stream=True)
+        assert shard.wait(np.arange(3))  # this process's readers still get samples as they land
+        assert _on_disk(s.cache_dir) <= ref.size
+        assert not [rel for rel, st in cache_files(s.cache_dir) if rel.endswith(".landed") and st.st_size]
+        GATES[gate].set()
+        shard.close()
+        wait_for(lambda: cache.contains(ref))
+        with cache.open(ref, reader) as whole:
+            assert bytes(whole.buffer()) == data

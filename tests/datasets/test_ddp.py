@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import shardkit
-from cachewalk import cache_files
+from cachewalk import cache_files, limited
 from rank_procs import free_port
 from rank_procs import run_ranks as launch
 
@@ -124,8 +124,8 @@ def peak_size(cache: Path) -> Iterator[list[int]]:
     def sample() -> None:
         while not stop.is_set():
             # By inode: one file under two names (a landing attempt and its published name) counts
-            # once. Progress files of downloads in flight (.landed) count too.
-            sizes = {st.st_ino: st.st_size for _, st in cache_files(cache)}
+            # once. Progress files of downloads in flight (.landed) count too, lock files not.
+            sizes = {st.st_ino: st.st_size for _, st in limited(cache_files(cache))}
             peak[0] = max(peak[0], sum(sizes.values()))
             time.sleep(0.005)
 

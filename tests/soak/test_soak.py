@@ -29,7 +29,7 @@ import pytest
 import xxhash
 
 import shardkit
-from cachewalk import cache_files
+from cachewalk import cache_files, limited
 from faultproxy import FaultProxy, Rule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,11 +47,11 @@ SOAK_FAULTS = {"reset_mid": 0.015, "truncate": 0.015, "error500": 0.015, "flip":
 
 def _disk(cache_dir: Path) -> tuple[int, int, int, list[tuple[str, int]], list[int]]:
     """At one moment (:func:`cache_files`) under ``cache_dir``: (bytes of the files' sizes, bytes
-    of their allocated blocks, how many files have blocks, the files of non-zero size), all of
-    which ``cache_limit`` bounds; and the sizes of the progress files of downloads in flight
+    of their allocated blocks, how many files have blocks, the files of non-zero size), which
+    ``cache_limit`` bounds (but for lock files' owner notes, a pid each); and the sizes of the progress files of downloads in flight
     (``.locks/<file>.landed``, counted in the first figures too)."""
     stats = cache_files(cache_dir)
-    size = sum(st.st_size for _, st in stats)
+    size = sum(st.st_size for _, st in limited(stats))
     blocks = sum(st.st_blocks * 512 for _, st in stats)
     allocated = sum(st.st_blocks > 0 for _, st in stats)
     progress = [st.st_size for rel, st in stats if rel.endswith(".landed")]
