@@ -246,6 +246,33 @@ def test_file_list_at_a_url_packs_like_the_local_list(tmp_path, s3_server, s3_bu
     assert [r["source"] for r in remote["samples"]] == urls
 
 
+def test_url_list_resolves_dot_segments_as_the_local_list_does(tmp_path, s3_server, s3_bucket):
+    """Paths with ``./`` and ``../`` in a list at a URL name the objects that the same paths name
+    beside the list on disk (an object store takes ``lists/../img/a.jpg`` as a key, and S3
+    answers 400); a ``..`` above the bucket is one line naming the row."""
+    so = s3_server.storage_options()
+    local = tmp_path / "root"
+    (local / "img").mkdir(parents=True)
+    (local / "lists").mkdir()
+    lines = ["path,label"]
+    for i in range(12):
+        (local / "img" / f"a{i:03d}.jpg").write_bytes(_jpeg(i))
+        lines.append(f"{'../img' if i % 2 else './../img'}/a{i:03d}.jpg,{i % 3}")
+    (local / "lists" / "list.csv").write_text("\n".join(lines) + "\n")
+    _upload(s3_server, local, f"{s3_bucket}/raw")
+    shardkit.pack(str(local / "lists" / "list.csv"), f"{s3_bucket}/from-disk", shard_bytes="8KB",
+                  storage_options=so, progress=False)
+    shardkit.pack(f"{s3_bucket}/raw/lists/list.csv", f"{s3_bucket}/from-s3", shard_bytes="8KB",
+                  storage_options=so, progress=False)
+    disk, remote = _dataset_files(f"{s3_bucket}/from-disk", so), _dataset_files(f"{s3_bucket}/from-s3", so)
+    assert len(disk["shards"]) > 1 and disk["shards"] == remote["shards"]
+    assert disk["samples"] == remote["samples"] and disk["shard_rows"] == remote["shard_rows"]
+    s3_server.filesystem().pipe(f"{s3_bucket[5:]}/raw/lists/up.csv", b"path\n../../../img/a000.jpg\n")
+    with pytest.raises(SourceError) as err:
+        shardkit.pack(f"{s3_bucket}/raw/lists/up.csv", f"{s3_bucket}/up", storage_options=so, progress=False)
+    assert "\n" not in str(err.value) and "row 0" in str(err.value) and "above the bucket" in str(err.value)
+
+
 def test_missing_object_in_a_url_list_is_named_or_skipped(tmp_path, s3_server, s3_bucket):
     so = s3_server.storage_options()
     fs = s3_server.filesystem()

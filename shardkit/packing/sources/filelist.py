@@ -161,8 +161,16 @@ class FileListSource(ReadsAhead):
                 where = rel[len("file://"):]
             elif os.path.isabs(rel):
                 where = str(Path(rel))
+            elif remote:
+                resolved = _relative_url(base, rel)
+                if resolved is None:
+                    self.listing.bad(f"{self.list_path}: row {i}",
+                                     f"file list {self.list_path}: row {i}: {rel!r} climbs above the bucket of the "
+                                     "list; give it as a full URL")
+                    continue
+                where = resolved
             else:
-                where = join_url(base, rel) if remote else str(Path(base) / rel)
+                where = str(Path(base) / rel)
             yield i, row, rel, where
 
     def _sized(self, rows: Iterator[tuple[int, dict[str, Any], str, str]]
@@ -298,6 +306,32 @@ def _label_class(label: Any, where: str) -> int | str:
     if isinstance(label, str) or (isinstance(label, int) and not isinstance(label, bool)):
         return label
     raise SourceError(f"{where}: label {label!r} is neither a class index (a whole number) nor a class name")
+
+
+def _relative_url(base: str, rel: str) -> str | None:
+    """``rel`` resolved against the folder URL ``base`` as a path on disk is against its folder:
+    ``.`` and ``..`` segments are resolved (an object store would take them as part of the key).
+
+    Args:
+        base: the list's folder URL (``s3://bucket/lists``).
+        rel: a relative posix path (``../img/a.jpg``).
+
+    Returns:
+        The URL, or None when ``..`` climbs above the bucket.
+    """
+    if not any(seg in (".", "..") for seg in rel.split("/")):
+        return join_url(base, rel)
+    scheme, _, rest = base.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    parts = [seg for seg in prefix.split("/") if seg]
+    for seg in rel.split("/"):
+        if seg == "..":
+            if not parts:
+                return None
+            parts.pop()
+        elif seg != ".":
+            parts.append(seg)
+    return join_url(f"{scheme}://{bucket}", "/".join(parts))
 
 
 def _list_field(path: str) -> str:
