@@ -417,3 +417,21 @@ def test_a_prefix_is_sniffed_by_its_objects(s3_server, s3_bucket):
     assert isinstance(resolve_source(f"{s3_bucket}/a.npz", storage_options=so), NpySource)
     with pytest.raises(SourceNotFoundError, match="nothing (does not exist|: no objects under this prefix)"):
         resolve_source(f"{s3_bucket}/nothing/", storage_options=so)
+
+
+def test_an_object_of_an_unsupported_type_is_refused_as_on_disk(tmp_path, s3_server, s3_bucket):
+    """A URL naming one object that no source reads is refused by its type, as the same file on
+    disk is, not listed as an empty prefix ("no objects under this prefix": it is there)."""
+    from shardkit.packing.sources.resolve import resolve_source
+
+    so = s3_server.storage_options()
+    s3_server.filesystem().pipe({f"{s3_bucket[5:]}/misc/notes.txt": b"hello"})
+    (tmp_path / "notes.txt").write_bytes(b"hello")
+    with pytest.raises(SourceError, match="unsupported file type .txt") as on_disk:
+        resolve_source(str(tmp_path / "notes.txt"))
+    for labels_from_dirs in (False, True):
+        with pytest.raises(SourceError) as err:
+            shardkit.pack(f"{s3_bucket}/misc/notes.txt", f"{s3_bucket}/ds", labels_from_dirs=labels_from_dirs,
+                          storage_options=so, progress=False)
+        assert not isinstance(err.value, SourceNotFoundError)
+        assert str(err.value) == str(on_disk.value).replace(str(tmp_path), f"{s3_bucket}/misc")

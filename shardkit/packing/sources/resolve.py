@@ -276,9 +276,13 @@ def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any]
                           storage_options=storage_options)
     if suffix in (".npy", ".npz"):
         return NpySource([bare], storage_options=storage_options)
+    objects = Objects(storage_options)
+    if suffix and not url.endswith("/") and objects.call(bare, lambda fs, p: fs.isfile(p)):
+        # One object of a type no source reads: as a prefix it would list nothing under it.
+        raise SourceError(f"source {bare}: unsupported file type {suffix}")
     if labels_from_dirs:
         return ImageFolderSource(bare, storage_options)
-    names = [rel for rel, _ in islice(walk_objects(Objects(storage_options), bare, lambda n: n), _SNIFF)]
+    names = [rel for rel, _ in islice(walk_objects(objects, bare, lambda n: n), _SNIFF)]
     # A prefix `shardkit index` made a dataset keeps its own files beside the tars: not input.
     names = [n for n in names if n.split("/", 1)[0] not in _DATASET_OWN]
     if names and all(n.lower().endswith(".tar") for n in names):
