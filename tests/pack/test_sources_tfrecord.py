@@ -235,6 +235,21 @@ def test_gzip_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.s3
+def test_gzip_named_tfrecord_refused_saying_to_decompress(tmp_path, s3_server, s3_bucket):
+    """A ``train.tfrecord.gz`` (TensorFlow's own name for its GZIP option's output) is refused as
+    a gzip-compressed TFRecord, on disk and in a bucket, not as an unknown ``.gz`` file type."""
+    path = tmp_path / "train.tfrecord.gz"
+    path.write_bytes(gzip.compress(frame(encode_example({"x": [b"1"]}))))
+    s3_server.filesystem().put(str(path), f"{s3_bucket[5:]}/raw/train.tfrecord.gz")
+    for source in (str(path), f"{s3_bucket}/raw/train.tfrecord.gz"):
+        with pytest.raises(SourceError) as err:
+            shardkit.pack(source, f"{s3_bucket}/ds", storage_options=s3_server.storage_options(), progress=False)
+        message = str(err.value)
+        assert "\n" not in message and source in message
+        assert "gzip-compressed TFRecord" in message and "decompress it (gunzip)" in message
+
+
 def test_bad_feature_names_refused(tmp_path):
     path = write_tfrecord(tmp_path / "n.tfrecord", [encode_example({"a/b": [b"1"], "a_b": [b"2"]})])
     with pytest.raises(SourceError, match="both make field 'a_b'"):

@@ -406,6 +406,18 @@ def test_folder_of_tars_and_other_files_is_refused(tmp_path, other):
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize("name", ["c.tar.gz", "c.tgz", "c.tar.zst"])
+def test_a_compressed_tar_is_refused_saying_to_decompress_it(tmp_path, name):
+    """A compressed tar given as the source says what to do, as one inside a folder of tars does,
+    rather than "unsupported file type .gz"."""
+    (tmp_path / name).write_bytes(b"not a plain tar")
+    with pytest.raises(SourceError) as err:
+        resolve_source(str(tmp_path / name))
+    msg = str(err.value)
+    assert msg.startswith(f"source {tmp_path / name}: a compressed tar") and "\n" not in msg
+    assert "decompress it to .tar" in msg
+
+
 @pytest.mark.parametrize("scheme", ["", "file://"])
 def test_local_glob_of_tars(tmp_path, scheme, capsys):
     """README lists a glob of tars as a source; a local one was refused as "does not exist"

@@ -138,6 +138,21 @@ def _remote_kind(url: str, storage_options: dict[str, Any] | None) -> str | None
     return None
 
 
+_GZIP = (".gz", ".gzip")
+
+
+def _unsupported(where: str, suffix: str) -> str:
+    """The refusal of a single file (or object) that no source reads, saying what to do with
+    the compressed kinds that are read once decompressed (a ``.tar.gz``, a ``.tfrecord.gz``)."""
+    name = posixpath.basename(where.rstrip("/")).lower()
+    if name.endswith(_COMPRESSED_TARS):
+        return f"source {where}: a compressed tar; shardkit reads uncompressed .tar files only: decompress it to .tar"
+    if suffix in _GZIP and is_tfrecord_name(name[: -len(suffix)]):
+        return (f"source {where}: a gzip-compressed TFRecord file; shardkit reads uncompressed TFRecords only: "
+                "decompress it (gunzip) and pack that")
+    return f"source {where}: unsupported file type {suffix or '(none)'}"
+
+
 # What shardkit keeps beside the tars of a folder it indexed (``shardkit index DIR``), and a
 # pack's claim folder: not input, so not "other files" when that folder is packed as tars.
 _DATASET_OWN = ("dataset.json", "manifest", "_pack")
@@ -279,7 +294,7 @@ def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any]
     objects = Objects(storage_options)
     if suffix and not url.endswith("/") and objects.call(bare, lambda fs, p: fs.isfile(p)):
         # One object of a type no source reads: as a prefix it would list nothing under it.
-        raise SourceError(f"source {bare}: unsupported file type {suffix}")
+        raise SourceError(_unsupported(bare, suffix))
     if labels_from_dirs:
         return ImageFolderSource(bare, storage_options)
     names = [rel for rel, _ in islice(walk_objects(objects, bare, lambda n: n), _SNIFF)]
@@ -341,7 +356,7 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
             return TfRecordSource(str(path))
         if suffix == ".bin":
             raise SourceError(f"source {path}: a raw token file? pass token_dtype (--token-dtype uint16|uint32)")
-        raise SourceError(f"source {path}: unsupported file type {suffix or '(none)'}")
+        raise SourceError(_unsupported(str(path), suffix))
     if labels_from_dirs:
         return ImageFolderSource(path)
     names = [p.name for p in _files(path)]
