@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
 import fsspec
@@ -30,7 +31,9 @@ __all__ = ["Store"]
 
 T = TypeVar("T")
 
-
+# 's3:/bucket/ds' or 's3:bucket/ds': a URL missing its slashes, which is also a relative local
+# path (a folder named 's3:'), so it would be written to or read from the working directory.
+_MISSING_SLASHES = re.compile(r"(?i)(s3|s3a|gs|gcs|az|abfs|abfss|https?):(?!//)")
 
 
 class Store:
@@ -44,14 +47,18 @@ class Store:
             configuration, and uploads then go through it).
 
     Raises:
-        ConfigError: credentials in the URL, an S3 URL without a bucket, or a storage option
-            s3fs does not take.
+        ConfigError: credentials in the URL, an S3 URL without a bucket or missing the slashes
+            of ``s3://`` (``s3:/bucket``), or a storage option s3fs does not take.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  fs: fsspec.AbstractFileSystem | None = None) -> None:
         refuse_url_credentials(url)  # every dataset and destination URL passes here first
         check_storage_options(url, storage_options)
+        if _MISSING_SLASHES.match(url):
+            scheme = url.partition(":")[0]
+            raise ConfigError(f"{url!r}: not a {scheme}:// URL (a URL is {scheme}://bucket/prefix); write it so, or "
+                              f"./{url} for a local folder named {scheme}:")
         scheme, sep, rest = url.partition("://")
         if sep and scheme in ("s3", "s3a", "gs", "gcs") and not rest.strip("/"):
             raise ConfigError(f"{url!r}: no bucket in the URL (expected {scheme}://bucket/prefix)")

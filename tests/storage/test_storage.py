@@ -118,6 +118,27 @@ def test_credentials_in_a_url_are_refused_without_repeating_them(url: str, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("url", ["s3:/bucket/ds", "s3:bucket/ds", "S3:/bucket/ds", "gs:/bucket/ds"])
+def test_a_url_missing_its_slashes_is_refused_not_written_locally(url: str, tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s3:/bucket/ds`` (one slash) is also a relative local path: a pack to it used to write the
+    dataset under a folder named ``s3:`` in the working directory, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    calls: list[Any] = [
+        lambda: Store(url),
+        lambda: shardkit.open_dataset(url),
+        lambda: shardkit.StreamingDataset(url),
+        lambda: shardkit.pack([{"__key__": "a", "txt": b"x"}], url, progress=False),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError) as info:
+            call()
+        text = str(info.value)
+        assert repr(url) in text and "://bucket" in text and "\n" not in text, text
+    assert list(tmp_path.iterdir()) == []
+    Store(f"./{url}")  # a local folder named so is still reachable, spelled as a path
+
+
 def test_redact_url_leaves_urls_without_credentials_alone() -> None:
     for url in ("s3://bucket/user@example.com/ds", "http://host:8080/a@b", "/tmp/a@b", "file:///tmp/x@y",
                 "memory://ds", "s3://bucket/ds"):
