@@ -125,11 +125,20 @@ class DevServerError(ShardkitError, RuntimeError):
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, for one-line errors that quote it.
 
+    A first line that only announces the next (ends with ``:``, as botocore's ``Parameter
+    validation failed:`` before ``Invalid bucket name ...``) is joined with it: alone it says
+    nothing of what is wrong.
+
     Args:
         exc: the exception.
 
     Returns:
-        The first line of ``str(exc)``, or ``""`` if it has none.
+        The first line of ``str(exc)`` (and the next when the first ends with ``:``), or ``""``
+        if it has none.
     """
-    text = str(exc)
-    return text.splitlines()[0] if text.strip() else ""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]

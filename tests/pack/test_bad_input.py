@@ -313,6 +313,18 @@ def test_wrong_credentials_on_s3(s3_server: Any, s3_bucket: str, tmp_path: Path)
             assert secret not in r.stderr and secret not in r.stdout
 
 
+def test_invalid_bucket_name_says_what_is_invalid(s3_server: Any, tmp_path: Path) -> None:
+    """botocore refuses a bucket name before any request, in two lines: 'Parameter validation
+    failed:' then what is invalid. The one line of the error used to stop at the first."""
+    src = folder(tmp_path / "src")
+    with pytest.raises(StorageError) as err:
+        shardkit.pack(str(src), "s3://Bad_Bucket!/ds", storage_options=s3_server.storage_options(), progress=False)
+    check_message(err.value, 'Invalid bucket name "Bad_Bucket!"')
+    r = cli("pack", str(src), "s3://Bad_Bucket!/ds", env=s3_server.env())
+    assert r.returncode == 1 and 'Invalid bucket name "Bad_Bucket!"' in one_line(r.stderr), r.stderr
+    assert s3_server.secret not in r.stderr + r.stdout
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_shard_truncated_in_storage_is_named_not_blamed_on_the_network(request: pytest.FixtureRequest, where: str,
                                                                        tmp_path: Path) -> None:
