@@ -236,6 +236,10 @@ def translate(exc: BaseException, what: str, where: str) -> ShardkitError:
         return StorageError(f"{what} not found at {where} ({code})")
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
         return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({code})")
+    if name == "NoCredentialsError":  # botocore: no key found in storage_options, AWS_* variables or profiles
+        return StoragePermissionError(f"no credentials for {what} at {where}: set AWS_ACCESS_KEY_ID and "
+                                      "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass key and secret in "
+                                      "storage_options")
     if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
         return StoragePermissionError(f"access denied to {what} at {where}: check credentials ({text})")
     if isinstance(exc, FileNotFoundError):

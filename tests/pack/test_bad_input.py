@@ -313,6 +313,23 @@ def test_wrong_credentials_on_s3(s3_server: Any, s3_bucket: str, tmp_path: Path)
             assert secret not in r.stderr and secret not in r.stdout
 
 
+def test_missing_credentials_say_where_to_set_them(s3_server: Any, s3_bucket: str, tmp_path: Path) -> None:
+    """No key anywhere (no storage_options key, no AWS_* variables, no profile): the one line
+    used to be botocore's 'Unable to locate credentials', which says nothing of where they go."""
+    src = folder(tmp_path / "src")
+    env = {k: v for k, v in s3_server.env().items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    for args in (("pack", str(src), f"{s3_bucket}/ds"), ("info", f"{s3_bucket}/ds")):
+        r = cli(*args, env=env)
+        assert r.returncode == 1, (args, r.stderr)
+        line = one_line(r.stderr)
+        assert "no credentials for" in line and f"{s3_bucket}/ds" in line, line
+        assert "AWS_ACCESS_KEY_ID" in line and "storage_options" in line, line
+    so = {"client_kwargs": s3_server.storage_options()["client_kwargs"]}
+    with pytest.raises(StoragePermissionError) as err:
+        shardkit.open_dataset(f"{s3_bucket}/ds", storage_options=so)
+    check_message(err.value, "no credentials for", s3_bucket, "AWS_SECRET_ACCESS_KEY")
+
+
 def test_invalid_bucket_name_says_what_is_invalid(s3_server: Any, tmp_path: Path) -> None:
     """botocore refuses a bucket name before any request, in two lines: 'Parameter validation
     failed:' then what is invalid. The one line of the error used to stop at the first."""
