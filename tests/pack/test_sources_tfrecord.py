@@ -277,6 +277,23 @@ def test_tfrecords_on_s3_equal_local(tmp_path, s3_server, s3_bucket):
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("slash", ["/", ""])
+def test_a_prefix_of_tfrecord_objects_packs_as_the_same_folder_on_disk(tmp_path, s3_server, s3_bucket, slash):
+    """A bucket prefix holding only TFRecords is read as TFRecords, as the same folder on disk
+    is: it used to pack as a keyed folder, each file one opaque sample (field ``tfrecord-...``)."""
+    expected = make_tfrecords(tmp_path / "src")
+    opts = s3_server.storage_options()
+    s3_server.filesystem().put(str(tmp_path / "src") + "/", f"{s3_bucket[5:]}/raw/", recursive=True)
+    assert isinstance(resolve_source(f"{s3_bucket}/raw{slash}", storage_options=opts), TfRecordSource)
+    info = shardkit.pack(f"{s3_bucket}/raw{slash}", f"{s3_bucket}/ds", storage_options=opts, progress=False)
+    local = shardkit.pack(str(tmp_path / "src"), str(tmp_path / "ds"), progress=False)
+    assert info["num_samples"] == local["num_samples"] == 10 and info["fields"] == local["fields"]
+    got, ds = _read_back(f"{s3_bucket}/ds", opts)
+    assert got == expected
+    assert ds.samples.to_pylist() == shardkit.open_dataset(str(tmp_path / "ds")).samples.to_pylist()
+
+
+@pytest.mark.s3
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tfrecords_on_s3_ray_equals_local(tmp_path, ray_local, s3_env, s3_bucket):

@@ -59,7 +59,7 @@ def resolve_source(source: Any, *, labels_from_dirs: bool = False, storage_optio
     ``.mdb``/``.lmdb`` file, an LMDB environment. Another URL names a file by its extension
     (TFRecord, table or list, HDF5, ``.npy``/``.npz``, ``.tar``), a glob of tars, or a prefix:
     an ImageFolder with ``labels_from_dirs``, tars when its first objects are all ``.tar``,
-    else a keyed folder of objects.
+    TFRecords when they are all TFRecords, else a keyed folder of objects.
 
     Args:
         source: a Source, or a path, glob or URL (``file://`` too).
@@ -278,8 +278,8 @@ _SNIFF = 1000
 
 def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any] | None,
             hdf5_rows: str | None) -> Source:
-    """The source for a URL: a file by its extension, a prefix as tars, an ImageFolder or a
-    keyed folder of objects (sniffed by its first objects' names)."""
+    """The source for a URL: a file by its extension, a prefix as tars, as TFRecords, an
+    ImageFolder or a keyed folder of objects (sniffed by its first objects' names)."""
     bare = url.rstrip("/")
     suffix = posixpath.splitext(bare)[1].lower()
     if bare.endswith(".tar") or _glob.has_magic(url):
@@ -302,6 +302,8 @@ def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any]
     names = [n for n in names if n.split("/", 1)[0] not in _DATASET_OWN]
     if names and all(n.lower().endswith(".tar") for n in names):
         return WdsTarSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
+    if names and all(is_tfrecord_name(n) for n in names):  # as a folder of only TFRecords on disk
+        return TfRecordSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
     return FolderSource(bare, storage_options)
 
 
