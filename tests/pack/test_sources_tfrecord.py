@@ -250,6 +250,25 @@ def test_gzip_named_tfrecord_refused_saying_to_decompress(tmp_path, s3_server, s
         assert "gzip-compressed TFRecord" in message and "decompress it (gunzip)" in message
 
 
+@pytest.mark.s3
+def test_a_folder_of_gzipped_tfrecords_is_refused_not_packed_as_blobs(tmp_path, s3_server, s3_bucket):
+    """A folder (or bucket prefix) of ``*.tfrecord.gz`` used to pack as a keyed folder: each file
+    one sample of field ``tfrecord.gz``, exit 0. It is refused as gzip-compressed TFRecords."""
+    src = tmp_path / "src"
+    for name in ("a.tfrecord.gz", "sub/b.tfrecord.gz", "c.tfrecord"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        data = frame(encode_example({"x": [name.encode()]}))
+        (src / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    s3_server.filesystem().put(str(src) + "/", f"{s3_bucket[5:]}/raw/", recursive=True)
+    for source in (str(src), f"{s3_bucket}/raw/"):
+        with pytest.raises(SourceError) as err:
+            shardkit.pack(source, f"{s3_bucket}/ds", storage_options=s3_server.storage_options(), progress=False)
+        message = str(err.value)
+        assert "\n" not in message and source.rstrip("/") in message and "a.tfrecord.gz, 2 in all" in message
+        assert "gzip-compressed TFRecord" in message and "decompress them (gunzip)" in message
+    assert not s3_server.filesystem().exists(f"{s3_bucket[5:]}/ds/dataset.json")
+
+
 def test_bad_feature_names_refused(tmp_path):
     path = write_tfrecord(tmp_path / "n.tfrecord", [encode_example({"a/b": [b"1"], "a_b": [b"2"]})])
     with pytest.raises(SourceError, match="both make field 'a_b'"):

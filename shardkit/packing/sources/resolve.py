@@ -141,13 +141,32 @@ def _remote_kind(url: str, storage_options: dict[str, Any] | None) -> str | None
 _GZIP = (".gz", ".gzip")
 
 
+def _gzip_tfrecord(name: str) -> bool:
+    """Whether a file name is a gzip-compressed TFRecord's (``train.tfrecord.gz``)."""
+    stem, suffix = posixpath.splitext(name)
+    return suffix.lower() in _GZIP and is_tfrecord_name(stem)
+
+
+def _tfrecords(where: str, names: list[str]) -> bool:
+    """Whether a folder's (or prefix's) files are all TFRecords; refused when they are all
+    TFRecords but some gzip-compressed (packed as a keyed folder, each would be one opaque sample)."""
+    if not names or not all(is_tfrecord_name(n) or _gzip_tfrecord(n) for n in names):
+        return False
+    compressed = sorted(n for n in names if _gzip_tfrecord(n))
+    if compressed:
+        raise SourceError(f"source {where} holds gzip-compressed TFRecord files ({compressed[0]}, "
+                          f"{len(compressed)} in all); shardkit reads uncompressed TFRecords only: decompress "
+                          "them (gunzip) and pack that")
+    return True
+
+
 def _unsupported(where: str, suffix: str) -> str:
     """The refusal of a single file (or object) that no source reads, saying what to do with
     the compressed kinds that are read once decompressed (a ``.tar.gz``, a ``.tfrecord.gz``)."""
     name = posixpath.basename(where.rstrip("/")).lower()
     if name.endswith(_COMPRESSED_TARS):
         return f"source {where}: a compressed tar; shardkit reads uncompressed .tar files only: decompress it to .tar"
-    if suffix in _GZIP and is_tfrecord_name(name[: -len(suffix)]):
+    if _gzip_tfrecord(name):
         return (f"source {where}: a gzip-compressed TFRecord file; shardkit reads uncompressed TFRecords only: "
                 "decompress it (gunzip) and pack that")
     return f"source {where}: unsupported file type {suffix or '(none)'}"
@@ -302,7 +321,7 @@ def _remote(url: str, *, labels_from_dirs: bool, storage_options: dict[str, Any]
     names = [n for n in names if n.split("/", 1)[0] not in _DATASET_OWN]
     if names and all(n.lower().endswith(".tar") for n in names):
         return WdsTarSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
-    if names and all(is_tfrecord_name(n) for n in names):  # as a folder of only TFRecords on disk
+    if _tfrecords(bare, names):  # as a folder of only TFRecords on disk
         return TfRecordSource(url if url.endswith("/") else url + "/", storage_options=storage_options)
     return FolderSource(bare, storage_options)
 
@@ -361,8 +380,8 @@ def _resolve(source: Any, *, labels_from_dirs: bool, storage_options: dict[str, 
         raise SourceError(_unsupported(str(path), suffix))
     if labels_from_dirs:
         return ImageFolderSource(path)
-    names = [p.name for p in _files(path)]
-    if names and all(is_tfrecord_name(n) for n in names):
+    names = [p.relative_to(path).as_posix() for p in _files(path)]
+    if _tfrecords(str(path), names):
         return TfRecordSource(str(path))
     suffixes = {p.suffix.lower() for p in _files(path)}
     if not suffixes:
