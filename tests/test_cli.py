@@ -145,6 +145,32 @@ def test_destination_inside_a_globbed_source_folder_is_refused(source: Path, tmp
     assert info["num_samples"] == shardkit.open_dataset(str(tars)).num_samples
 
 
+@pytest.mark.parametrize("where", ["dest-in-source", "source-in-dest", "same", "dest-in-globbed-source"])
+def test_destination_and_source_nested_in_a_bucket_are_refused(where: str, source: Path, s3_server: Any,
+                                                                s3_bucket: str) -> None:
+    """The same refusal for a bucket prefix as for a local folder: ``pack s3://b/raw s3://b/raw/out``
+    packed, and its rerun (or any later pack of ``s3://b/raw``) took the earlier output's tars,
+    manifest and dataset.json as input samples."""
+    fs = s3_server.filesystem()
+    fs.put(str(source) + "/", f"{s3_bucket[5:]}/raw/", recursive=True)
+    before = sorted(fs.find(f"{s3_bucket[5:]}/raw"))
+    raw = f"{s3_bucket}/raw"
+    src, dest = {"dest-in-source": (raw, f"{raw}/out"), "source-in-dest": (f"{raw}/", s3_bucket),
+                 "same": (raw, f"{raw}/"), "dest-in-globbed-source": (f"{raw}/*.tar", f"{raw}/out")}[where]
+    for extra in ((), ("--overwrite",)):
+        r = cli("pack", src, dest, "--quiet", *extra, env=s3_server.env())
+        assert r.returncode == 2, r.stderr
+        line = one_line(r.stderr)
+        assert raw in line and ("inside the source" in line or "inside the destination" in line), line
+    assert sorted(fs.find(f"{s3_bucket[5:]}/raw")) == before
+    with pytest.raises(shardkit.errors.ConfigError, match="choose a destination outside the source"):
+        shardkit.pack(src, dest, storage_options=s3_server.storage_options(), progress=False)
+    # A sibling prefix whose name merely starts alike is not inside.
+    info = shardkit.pack(raw, f"{raw}-packed", storage_options=s3_server.storage_options(), progress=False)
+    assert info["num_samples"] == shardkit.pack(str(source), f"{s3_bucket}/local", storage_options=s3_server.storage_options(),
+                                                progress=False)["num_samples"]
+
+
 def test_cli_on_s3_never_shows_the_secret(source: Path, s3_server: Any, s3_bucket: str) -> None:
     env = s3_server.env()
     url = f"{s3_bucket}/ds"

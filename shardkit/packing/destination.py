@@ -42,8 +42,24 @@ def _local_path(text: str) -> Path | None:
     return path.resolve()
 
 
+def _object_path(text: str) -> tuple[str, tuple[str, ...]] | None:
+    """(scheme, path parts) of an object-store source or destination URL, up to its first glob
+    or brace pattern (the prefix it lists); None for a local path or a chained URL."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() == "file" or "::" in text:
+        return None
+    parts: list[str] = []
+    for part in rest.split("/"):
+        if glob.has_magic(part) or "{" in part:
+            break
+        if part:
+            parts.append(part)
+    return {"s3a": "s3", "gcs": "gs"}.get(scheme.lower(), scheme.lower()), tuple(parts)
+
+
 def refuse_nested(source: Any, store: Store) -> None:
-    """Refuse a local destination inside a local source folder, or a source inside the destination.
+    """Refuse a destination inside the source folder (or bucket prefix), or a source inside the
+    destination.
 
     A destination inside the source makes a rerun pack the earlier output as input (its files
     become samples, its folder a class); a source inside the destination is deleted by an
@@ -57,6 +73,16 @@ def refuse_nested(source: Any, store: Store) -> None:
         ConfigError: one lies inside the other.
     """
     if not isinstance(source, (str, os.PathLike)):
+        return
+    remote_src, remote_dst = _object_path(os.fspath(source)), _object_path(store.url)
+    if remote_src is not None and remote_dst is not None and remote_src[0] == remote_dst[0]:
+        shown = os.fspath(source).rstrip("/")
+        if remote_dst[1][:len(remote_src[1])] == remote_src[1]:
+            raise ConfigError(f"destination {store.url} is inside the source {shown}: a rerun would pack this "
+                              "pack's output as input; choose a destination outside the source")
+        if remote_src[1][:len(remote_dst[1])] == remote_dst[1]:
+            raise ConfigError(f"source {shown} is inside the destination {store.url}: packing there would write "
+                              "over (and --overwrite delete) the input; choose a destination outside the source")
         return
     src, dst = _local_path(os.fspath(source)), _local_path(store.url)
     if src is None or dst is None:
