@@ -79,13 +79,20 @@ def field_ext(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
+# Image modes decoded as they are: RGB, 8-bit grayscale and the deeper single-channel modes (a
+# 16-bit PNG: depth maps, medical scans), whose values an RGB conversion would clip to 255.
+_KEPT_MODES = ("RGB", "L", "I;16", "I;16L", "I;16B", "I", "F")
+
+
 def _decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
     """One field decoded by its extension; unknown extensions come back as ``bytes``.
 
     Args:
         name: the field name.
         value: its bytes.
-        images: ``"numpy"`` (an HxWxC uint8 array) or ``"pil"`` (a PIL image).
+        images: ``"numpy"`` (an HxWx3 uint8 array; HxW for a grayscale image, of uint16,
+            int32 or float32 for a 16-bit, 32-bit or float one) or ``"pil"`` (a PIL image:
+            RGB, or as stored for those).
 
     Returns:
         The decoded value.
@@ -100,7 +107,7 @@ def _decode_field(name: str, value: memoryview | bytes, images: str) -> Any:
         from PIL import Image
 
         img: Image.Image = Image.open(io.BytesIO(value))
-        img = img.convert("RGB") if img.mode not in ("RGB", "L") else img
+        img = img.convert("RGB") if img.mode not in _KEPT_MODES else img
         return np.asarray(img) if images == "numpy" else img
     if ext == "npy":
         return npy_view(value)

@@ -561,6 +561,35 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_decoded_16_bit_images_keep_their_values(tmp_path: Path) -> None:
+    """decode="numpy"/"pil" converted every mode but RGB and L to RGB: a 16-bit PNG (depth maps,
+    scans) came back as uint8 with every value over 255 clipped to 255. Deep single-channel
+    images keep their values now; RGBA and palette images are still RGB."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    depth = rng.integers(0, 65535, (5, 7), dtype=np.uint16)
+    rgba = rng.integers(0, 255, (5, 7, 4), dtype=np.uint8)
+
+    def png(img: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, "PNG")
+        return buf.getvalue()
+
+    url = str(tmp_path / "ds")
+    shardkit.pack([{"__key__": "depth", "png": png(Image.fromarray(depth))},
+                   {"__key__": "rgba", "png": png(Image.fromarray(rgba, "RGBA"))}], url, progress=False)
+    got = {s["__key__"]: np.asarray(s["png"]) for s in StreamingDataset(url, decode="numpy")}
+    assert got["depth"].dtype == np.uint16 and np.array_equal(got["depth"], depth)
+    assert got["rgba"].dtype == np.uint8 and np.array_equal(got["rgba"], rgba[..., :3])
+    loaded = {s["__key__"]: s["png"] for s in StreamingDataLoader(StreamingDataset(url, decode="numpy"))}
+    assert loaded["depth"].dtype == torch.uint16 and np.array_equal(loaded["depth"].numpy(), depth)
+    pil = {s["__key__"]: s["png"] for s in StreamingDataset(url, decode="pil")}
+    assert np.array_equal(np.asarray(pil["depth"]), depth) and pil["rgba"].mode == "RGB"
+
+
 def test_no_stale_length_warnings_after_a_resumed_epoch(local_ds: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
     # len(loader) after a resumed (shorter) epoch made torch warn on every batch of the next
     # epoch that "more samples have been fetched" than the stale length (examples/ddp_train.py
