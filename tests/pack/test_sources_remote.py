@@ -273,6 +273,28 @@ def test_url_list_resolves_dot_segments_as_the_local_list_does(tmp_path, s3_serv
     assert "\n" not in str(err.value) and "row 0" in str(err.value) and "above the bucket" in str(err.value)
 
 
+def test_a_list_row_naming_a_folder_is_refused_at_listing_naming_the_row(tmp_path, s3_server, s3_bucket):
+    """A row naming a folder (a prefix in a bucket) passed the listing: on disk the pack then failed
+    with '0:/.../cat: cannot read ...: Is a directory', in a bucket with '... does not exist'
+    (the prefix is there). Both now say at listing that the row names a folder, or skip it."""
+    so = s3_server.storage_options()
+    local = tmp_path / "root"
+    (local / "img" / "cat").mkdir(parents=True)
+    (local / "img" / "cat" / "a.jpg").write_bytes(_jpeg(1))
+    (local / "img" / "b.jpg").write_bytes(_jpeg(2))
+    (local / "list.csv").write_text("path\nimg/b.jpg\nimg/cat\n")
+    _upload(s3_server, local, f"{s3_bucket}/raw")
+    for where in (str(local / "list.csv"), f"{s3_bucket}/raw/list.csv"):
+        with pytest.raises(SourceError) as err:
+            shardkit.pack(where, f"{s3_bucket}/ds", storage_options=so, progress=False)
+        message = str(err.value)
+        assert message.startswith(f"file list {where}: row 1: ") and "img/cat is a folder, not a file" in message
+        assert "\n" not in message and not isinstance(err.value, SourceNotFoundError)
+        info = shardkit.pack(where, f"{s3_bucket}/ds-{len(where)}", storage_options=so, on_error="skip",
+                             progress=False)
+        assert info["num_samples"] == 1 and "is a folder" in info["skipped"][0]["reason"]
+
+
 def test_missing_object_in_a_url_list_is_named_or_skipped(tmp_path, s3_server, s3_bucket):
     so = s3_server.storage_options()
     fs = s3_server.filesystem()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from stat import S_ISDIR
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
@@ -125,6 +126,10 @@ class FileListSource(ReadsAhead):
             if size is None:
                 self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {where} does not exist")
                 continue
+            if size < 0:
+                self.listing.bad(f"{self.list_path}: row {i}", f"file list {self.list_path}: row {i}: {where} is a folder, "
+                                 "not a file; list its files one per row (or pack the folder itself)")
+                continue
             key = row.get("key")  # 0 and "00" are keys too: only a missing one falls back to the path
             stem = os.path.splitext(rel)[0] if is_url(rel) else Path(rel).with_suffix("").as_posix()
             key = safe_key(str(key) if key is not None and key != "" else stem)
@@ -175,10 +180,15 @@ class FileListSource(ReadsAhead):
 
     def _sized(self, rows: Iterator[tuple[int, dict[str, Any], str, str]]
                ) -> Iterator[tuple[int, dict[str, Any], str, str, int | None]]:
-        """``rows`` with each file's size (None: missing), objects' sizes asked for many at once."""
+        """``rows`` with each file's size (None: missing, -1: a folder), objects' sizes asked for
+        many at once."""
         def size(where: str) -> int | None:
             try:
-                return self.objects.size(where) if is_url(where) else Path(where).stat().st_size
+                if is_url(where):
+                    info = self.objects.call(where, lambda fs, p: fs.info(p))
+                    return -1 if info.get("type") == "directory" else int(info.get("size") or 0)
+                stat = Path(where).stat()
+                return -1 if S_ISDIR(stat.st_mode) else stat.st_size
             except (SourceNotFoundError, FileNotFoundError):
                 return None
         with ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix="shardkit-head") as pool:
