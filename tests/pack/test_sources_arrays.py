@@ -296,6 +296,27 @@ def test_hdf5_unsupported_dtype(tmp_path, make):
         Hdf5Source(path).list_items()
 
 
+def test_hdf5_unsupported_dataset_is_skipped_with_on_error_skip(tmp_path):
+    """--on-error skip left an HDF5 dataset .npy cannot hold in place: the whole pack stopped on
+    it, where a Zarr array of the same dtype is left out and listed under ``skipped``."""
+    import shardkit
+
+    path = tmp_path / "odd.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", data=np.arange(6, dtype=">i4").reshape(2, 3))
+        f.create_dataset("names", data=["a", "bc"], dtype=h5py.string_dtype())
+        f.create_dataset("z", data=np.float32(2.5))
+    with pytest.raises(SourceError, match=r"odd\.h5::/names: unsupported dtype"):
+        shardkit.pack(str(path), str(tmp_path / "raise"), progress=False)
+    info = shardkit.pack(str(path), str(tmp_path / "skip"), on_error="skip", progress=False)
+    assert info["num_samples"] == 2 and [s["ref"] for s in info["skipped"]] == [f"{path}::/names"]
+    got = {s["__key__"]: np.load(io.BytesIO(bytes(s["npy"])))
+           for s in shardkit.open_dataset(str(tmp_path / "skip")).iter_samples()}
+    assert len(got) == 2
+    assert any(v.dtype == np.dtype(">i4") and np.array_equal(v, np.arange(6).reshape(2, 3)) for v in got.values())
+    assert any(v.shape == () and v == np.float32(2.5) for v in got.values())
+
+
 # -- NpySource -------------------------------------------------------------------------------
 
 @pytest.fixture

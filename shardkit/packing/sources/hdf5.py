@@ -22,7 +22,7 @@ import numpy as np
 
 from shardkit.errors import SourceError, SourceNotFoundError
 from shardkit.packing.sample import FieldValue, PackSample, safe_key
-from shardkit.packing.sources.base import SourceItem, check_unique_keys, item_bytes
+from shardkit.packing.sources.base import ListingSkips, SourceItem, check_unique_keys, item_bytes
 from shardkit.packing.sources.hdf5_read import array_field, array_layout, get_dataset, meta_attrs, open_h5
 from shardkit.packing.sources.hdf5_rows import OpenRows
 from shardkit.packing.sources.npy import npy_header
@@ -80,6 +80,7 @@ class Hdf5Source:
         self.datasets = [d for d in self.datasets if d]
         if mode == "rows" and not self.datasets:
             raise SourceError("Hdf5Source: mode='rows' needs datasets='name[,name...]'")
+        self.listing = ListingSkips()  # datasets .npy cannot hold: refused, or skipped (on_error="skip")
         self._open_rows = OpenRows()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -141,10 +142,11 @@ class Hdf5Source:
         Raises:
             SourceNotFoundError: a path does not exist.
             SourceError: h5py is not installed, a file is no HDF5, a dataset is missing or
-                holds what ``.npy`` cannot, rows datasets disagree in length, nothing to pack,
-                or two items share a key.
+                holds what ``.npy`` cannot (in datasets mode, unless skipped), rows datasets
+                disagree in length, nothing to pack, or two items share a key.
         """
         h5py = require("hdf5")
+        self.listing.skipped.clear()
         files = self._files()
         stems = self._stems(files)
         items: list[SourceItem] = []
@@ -170,7 +172,11 @@ class Hdf5Source:
         items = []
         for name in sorted(names):
             ref = f"{path}::/{name}"
-            dtype, shape = array_layout(f[name], ref)
+            try:
+                dtype, shape = array_layout(f[name], ref)
+            except SourceError as exc:  # a dtype .npy cannot hold, a null dataspace
+                self.listing.bad(ref, str(exc))
+                continue
             size = len(npy_header(dtype, shape)) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             key = safe_key(f"{stem}/{name}")
             items.append(SourceItem(ref=ref, nbytes=item_bytes(key, [("npy", size)]), key=key))
