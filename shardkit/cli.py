@@ -127,7 +127,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         if info["skipped"]:
             print(f"skipped {len(info['skipped'])} bad inputs (listed in dataset.json):")
             for s in info["skipped"][:10]:
-                print(f"  {s['ref']}: {s['reason']}")
+                # Most reasons name their input already ('file list L: row 3: ...'): not twice.
+                print(f"  {s['reason']}" if s["ref"] in s["reason"] else f"  {s['ref']}: {s['reason']}")
     return 0
 
 

@@ -171,6 +171,19 @@ def test_destination_and_source_nested_in_a_bucket_are_refused(where: str, sourc
                                                 progress=False)["num_samples"]
 
 
+def test_skipped_inputs_are_listed_naming_each_once(tmp_path: Path, s3_server: Any, s3_bucket: str) -> None:
+    """The summary printed '<ref>: <reason>' where the reason names the input already:
+    's3://b/l.csv: row 1: file list s3://b/l.csv: row 1: ... does not exist'."""
+    fs = s3_server.filesystem()
+    fs.pipe({f"{s3_bucket[5:]}/o/a.bin": b"a", f"{s3_bucket[5:]}/l.csv": b"path\no/a.bin\no/gone.bin\n"})
+    r = cli("pack", f"{s3_bucket}/l.csv", f"{s3_bucket}/ds", "--on-error", "skip", env=s3_server.env())
+    assert r.returncode == 0, r.stderr
+    listed = [ln for ln in r.stdout.splitlines() if ln.startswith("  ")]
+    assert listed == [f"  file list {s3_bucket}/l.csv: row 1: {s3_bucket}/o/gone.bin does not exist"], r.stdout
+    warned = [ln for ln in r.stderr.splitlines() if "skipped" in ln]
+    assert len(warned) == 1 and warned[0].count(f"{s3_bucket}/l.csv: row 1") == 1, r.stderr
+
+
 def test_cli_on_s3_never_shows_the_secret(source: Path, s3_server: Any, s3_bucket: str) -> None:
     env = s3_server.env()
     url = f"{s3_bucket}/ds"

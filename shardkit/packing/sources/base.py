@@ -148,5 +148,5 @@ class ListingSkips:
         """
         if not self.skip:
             raise SourceError(reason)
-        log.warning("skipped %s: %s", ref, reason)
+        log.warning("skipped %s", reason if ref in reason else f"{ref}: {reason}")
         self.skipped.append({"ref": ref, "key": "", "reason": reason})
