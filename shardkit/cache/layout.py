@@ -10,7 +10,8 @@ its locks with its file descriptors. Layout of ``cache_dir`` (the limit covers a
     <ns>/.locks/<file>.pin          flock SH by readers while open, EX|NB by the evictor
     <ns>/.locks/<file>.dl           flock EX by the one process downloading the shard
     <ns>/.locks/<file>.landed       the progress of a download in flight (128 bytes and one per
-                                    sample; emptied when it ends): counted with the downloads
+                                    sample; emptied when it ends, or when room is reserved
+                                    after its downloader died): counted with the downloads
 
 Lock order is pin -> dl -> global. The global lock is held only for metadata work and tries
 other locks only with LOCK_NB, so nobody waits while holding it and nothing can deadlock.
@@ -267,29 +268,57 @@ class CacheDir:
                 out.append(CacheEntry(t.path, ns.name, file, max(st.st_size, size), st.st_mtime_ns, True, pid))
         return out
 
-    def progress_bytes(self) -> int:
-        """Bytes the progress files of downloads in flight take, all namespaces (files of
-        downloads that ended are empty; one a killed process left counts until the shard's next
-        download starts it anew).
+    def progress_bytes(self, reserving: str) -> int:
+        """Bytes the progress files of downloads in flight take, all namespaces. Call with the
+        global lock held. A non-empty one whose download lock nobody holds was left by a killed
+        downloader: it is emptied here (its readers then wait for the published shard) and not
+        counted, so it never keeps room from a tight cache.
+
+        Args:
+            reserving: the file (in this namespace) whose download is reserving room: its own
+                progress file is started anew by that download, and counted by the caller.
 
         Returns:
-            Their sizes' sum (exact with the global lock held).
+            Their sizes' sum.
         """
         total = 0
         for ns, _ in list_with_stat(self.root):
             if ns.name.startswith(".") or not ns.is_dir(follow_symlinks=False):
                 continue
-            try:
-                with os.scandir(os.path.join(ns.path, ".locks")) as it:
-                    for e in it:  # stat only the progress files: the locks beside them are many
-                        if e.name.endswith(PROGRESS_SUFFIX):
-                            try:
-                                total += e.stat(follow_symlinks=False).st_size
-                            except FileNotFoundError:
-                                continue
-            except FileNotFoundError:
-                continue
+            for path, size in self._progress_files(ns.path):
+                file = os.path.basename(path)[:-len(PROGRESS_SUFFIX)]
+                if ns.name == self.ns and file == reserving:
+                    continue
+                dl = FileLock.try_take(self.lock_path(ns.name, file, "dl"), EX_NB)
+                if dl is None:  # a download in flight
+                    total += size
+                    continue
+                try:
+                    with open(path, "r+b") as f:
+                        f.truncate(0)
+                except OSError:
+                    total += size  # could not empty it: it still takes its bytes
+                finally:
+                    dl.release()
         return total
+
+    @staticmethod
+    def _progress_files(ns_path: str) -> list[tuple[str, int]]:
+        """(path, size) of the non-empty progress files in a namespace's ``.locks``."""
+        out = []
+        try:
+            with os.scandir(os.path.join(ns_path, ".locks")) as it:
+                for e in it:  # stat only the progress files: the locks beside them are many
+                    if e.name.endswith(PROGRESS_SUFFIX):
+                        try:
+                            size = e.stat(follow_symlinks=False).st_size
+                        except FileNotFoundError:
+                            continue
+                        if size:
+                            out.append((e.path, size))
+        except FileNotFoundError:
+            pass
+        return out
 
     def adopt(self, file: str, size: int) -> tuple[str, int] | None:
         """Take over a partial download of ``file`` (``size`` bytes) left by any process.

@@ -435,27 +435,21 @@ def _on_disk(cache_dir: str) -> int:
     return sum(st.st_size for _, st in limited(cache_files(cache_dir)))
 
 
-@pytest.mark.parametrize("stale", [False, True], ids=["in-flight", "left-by-a-killed-downloader"])
-def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str, stale: bool) -> None:
+def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str) -> None:
     """cache_limit bounds the shards, the downloads and their progress files together: a limit
     with room for two shards but not for two and a progress file evicts the first shard to
-    download the second, and a progress file a killed downloader left non-empty counts too."""
+    download the second."""
     size = 600 << 10
     s = make_store(tmp_path, [size, size])
     reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
     a, b = (replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs)
     limit = 2 * size + progress_file_size(len(samples(b))) - 1
-    if stale:  # then room for both shards and b's progress file, not for a stale one as well
-        limit += progress_file_size(len(samples(b)))
     with s.cache(limit) as cache:
         GATES[gate].set()
         with cache.open(a, reader, stream=True):
             pass
         wait_for(lambda: cache.contains(a))
         GATES[gate].clear()
-        if stale:
-            left = Path(s.cache_dir) / NS / ".locks" / "shards%2Fshard-000009.tar.landed"
-            left.write_bytes(bytes(progress_file_size(len(samples(b)))))
         shard = cache.open(b, reader, stream=True)
         assert isinstance(shard, LandingShard)
         assert shard.wait(np.arange(3))  # b lands up to the gate: its temp file and progress file are there
@@ -466,6 +460,35 @@ def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str, stale
         shard.close()
         wait_for(lambda: cache.contains(b))
         assert _on_disk(s.cache_dir) <= limit
+
+
+def test_a_progress_file_a_killed_downloader_left_is_emptied_not_counted(tmp_path: Path, gate: str) -> None:
+    """A progress file left non-empty (its downloader was killed; nobody holds its download lock)
+    is emptied when room is reserved, instead of keeping that room from a tight cache; one whose
+    download is in flight is left alone."""
+    size = 600 << 10
+    s = make_store(tmp_path, [size, size, size])
+    reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
+    a, b, c = (replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs)
+    limit = 2 * size + progress_file_size(len(samples(b)))  # a, and b with its progress file
+    with s.cache(limit) as cache:
+        GATES[gate].set()
+        with cache.open(a, reader, stream=True):
+            pass
+        wait_for(lambda: cache.contains(a))
+        GATES[gate].clear()
+        locks = Path(s.cache_dir) / NS / ".locks"
+        left = locks / "shards%2Fshard-000002.tar.landed"  # c's, as a killed downloader leaves it
+        left.write_bytes(bytes(progress_file_size(len(samples(c)))))
+        shard = cache.open(b, reader, stream=True)
+        assert shard.wait(np.arange(3))
+        assert left.stat().st_size == 0  # emptied...
+        assert cache.contains(a)  # ...so a kept its room
+        assert (locks / "shards%2Fshard-000001.tar.landed").stat().st_size > 0  # b's, in flight
+        assert _on_disk(s.cache_dir) <= limit
+        GATES[gate].set()
+        shard.close()
+        wait_for(lambda: cache.contains(b))
 
 
 def test_a_limit_of_one_shard_keeps_no_progress_file(tmp_path: Path, gate: str) -> None:
