@@ -142,8 +142,9 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
             lists per batch); read once per process, in memory.
 
     Raises:
-        ConfigError: a bad option (a number out of range, ``zero_copy`` without what it needs,
-            an unusable ``cache_dir``, a ``cache_limit`` smaller than the largest shard).
+        ConfigError: a bad option (a number out of range, a ``rank`` outside ``world_size``,
+            ``zero_copy`` without what it needs, an unusable ``cache_dir``, a ``cache_limit``
+            smaller than the largest shard).
         DatasetNotFoundError: nothing is at ``url``.
         StorageError: the dataset's metadata could not be read.
     """
@@ -176,6 +177,8 @@ class StreamingDataset(_IterableBase):  # type: ignore[misc,valid-type]
         seed, shuffle_block = int_arg("seed", seed, 0, 2**64 - 1), int_arg("shuffle_block", shuffle_block, 1)
         world_size = None if world_size is None else int_arg("world_size", world_size, 1)
         rank = None if rank is None else int_arg("rank", rank, 0)
+        if rank is not None and world_size is not None and rank >= world_size:  # else told at the first epoch
+            raise ConfigError(f"rank {rank} is outside world_size {world_size}: ranks are 0 to {world_size - 1}")
         cache_limit = parse_size(cache_limit, "cache_limit")  # nan, inf or "-5MB": a ConfigError naming it
         self.ds = Dataset(url, storage_options, version=version)  # the version is fixed for the stream's life
         ranged.prepare(self.ds.store)  # here, before DataLoader workers fork: their first reads come sooner

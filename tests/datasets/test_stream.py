@@ -843,6 +843,13 @@ def test_numeric_options_are_checked_up_front(local_ds: tuple[str, dict[str, byt
     assert str(err.value) == said
 
 
+def test_a_rank_outside_the_given_world_size_is_refused_up_front(local_ds: tuple[str, dict[str, bytes]]) -> None:
+    with pytest.raises(ConfigError) as err:
+        StreamingDataset(local_ds[0], rank=3, world_size=2)
+    assert str(err.value) == "rank 3 is outside world_size 2: ranks are 0 to 1"
+    assert StreamingDataset(local_ds[0], rank=1, world_size=2).rank == 1
+
+
 def test_option_checks_take_numpy_integers(local_ds: tuple[str, dict[str, bytes]]) -> None:
     ds = StreamingDataset(local_ds[0], batch_size=np.int64(8), prefetch=np.int32(0), seed=np.uint64(3))
     assert (ds.batch_size, ds.prefetch, ds.seed) == (8, 0, 3) and type(ds.batch_size) is int
