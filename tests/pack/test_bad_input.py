@@ -152,6 +152,7 @@ def test_duplicate_keys_in_file_list(tmp_path: Path) -> None:
     assert src.exists() and not (tmp_path / "out").exists()
     r = cli("pack", str(lst), str(tmp_path / "out3"))
     assert r.returncode == 1 and "duplicate key 'a'" in one_line(r.stderr)
+    assert "rename or leave out one of them" in one_line(r.stderr)  # and what to do
 
 
 def test_folder_fields_differing_only_in_case_are_refused(tmp_path: Path) -> None:

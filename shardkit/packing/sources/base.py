@@ -65,7 +65,8 @@ def check_unique_keys(items: Iterable[SourceItem]) -> None:
     seen: dict[str, str] = {}
     for it in items:
         if it.key in seen:
-            raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}")
+            raise SourceError(f"{it.ref}: key {it.key!r} collides with {seen[it.key]}: each sample needs a key of "
+                              "its own; rename or leave out one of them")
         seen[it.key] = it.ref
 
 

@@ -90,7 +90,8 @@ def samples_from_iterable(items: Iterable[dict[str, Any]],
             key = safe_key(str(raw) if not isinstance(raw, bytes) else raw)
             sample = _sample(i, key, raw, item)
             if not seen.add(key):
-                raise SourceError(f"duplicate key {key!r} in the iterable (item {i})")
+                raise SourceError(f"duplicate key {key!r} in the iterable (item {i}); each sample needs a key of "
+                                  "its own: give the items distinct '__key__'s")
         except SourceError as exc:
             if skipped is None:
                 raise

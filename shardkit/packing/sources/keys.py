@@ -90,7 +90,8 @@ def unique_keys(items: Iterable[SourceItem], where: str,
                 key = batch[i].key
                 refs = list(islice((other.ref for other in relist() if other.key == key), 2))
                 if len(refs) == 2:
-                    raise SourceError(f"duplicate key {key!r} in {where}: {refs[0]} and {refs[1]}")
+                    raise SourceError(f"duplicate key {key!r} in {where}: {refs[0]} and {refs[1]}; each sample "
+                                      "needs a key of its own: rename or leave out one of them")
             yield from batch
     finally:
         close = getattr(listing, "close", None)
