@@ -163,10 +163,10 @@ def _write_task(store: Store, source: Source, plan: TaskPlan, items: Sequence[So
                         shard.add(sample)
                     except SourceError as exc:
                         if opts.on_error != "skip":
-                            if item.ref in str(exc):
-                                raise
                             # A transform's error names the sample key; the user needs the input.
-                            raise type(exc)(f"{item.ref}: {exc}") from exc
+                            text = str(exc) if item.ref in str(exc) else f"{item.ref}: {exc}"
+                            raise type(exc)(f"{text} (--on-error skip, on_error='skip', packs the rest and lists "
+                                            "such inputs in dataset.json)") from exc
                         failed = i
                         skipped.append({"ref": item.ref, "key": item.key, "reason": str(exc)})
                         break

@@ -697,8 +697,8 @@ def test_overwrite_that_fails_later_says_the_old_dataset_was_removed(tmp_path):
     with pytest.raises(SourceError) as err:
         shardkit.pack(str(src), dest, shard_samples=3, overwrite=True, transform=boom, progress=False)
     msg = str(err.value)
-    assert (f"k4: cannot be transformed; the old dataset at {dest} was removed when this --overwrite pack "
-            "started") in msg, msg
+    assert (f"k4: cannot be transformed (--on-error skip, on_error='skip', packs the rest and lists such inputs "
+            f"in dataset.json); the old dataset at {dest} was removed when this --overwrite pack started") in msg, msg
     assert "\n" not in msg
     # Nothing was committed there now: a failing rerun (even with --overwrite) removes no dataset.
     with pytest.raises(SourceError) as err:
