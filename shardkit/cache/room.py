@@ -109,7 +109,8 @@ class Room:
                         return got
                     entries = self._dir.scan()
                     # The progress files of downloads in flight are on the same disk: counted too.
-                    excess = sum(e.size for e in entries) + self._dir.progress_bytes(file) + footprint(ref, self._limit) - self._limit
+                    held = sum(e.size for e in entries) + self._dir.progress_bytes(file)
+                    excess = held + footprint(ref, self._limit) - self._limit
                     if planned is not None:
                         excess += self._room_for_sooner(file, planned, entries)
                     blockers = self._evict(entries, excess, file, planned) if excess > 0 else None
