@@ -435,21 +435,31 @@ def _on_disk(cache_dir: str) -> int:
     return sum(st.st_size for _, st in limited(cache_files(cache_dir)))
 
 
+def gated_shards(tmp_path: Path, gate: str, count: int) -> tuple[Any, Gated, list[ShardRef]]:
+    """``count`` shards of 600 KiB in the fake store with their samples known, and a reader whose
+    parts from 256 KiB on wait for ``gate``."""
+    s = make_store(tmp_path, [600 << 10] * count)
+    reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
+    return s, reader, [replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs]
+
+
+def cache_whole(cache: ShardCache, ref: ShardRef, reader: Gated, gate: str) -> None:
+    """Land ``ref`` whole in ``cache`` (the gate open for it), then close the gate again."""
+    GATES[gate].set()
+    with cache.open(ref, reader, stream=True):
+        pass
+    wait_for(lambda: cache.contains(ref))
+    GATES[gate].clear()
+
+
 def test_progress_files_count_under_cache_limit(tmp_path: Path, gate: str) -> None:
     """cache_limit bounds the shards, the downloads and their progress files together: a limit
     with room for two shards but not for two and a progress file evicts the first shard to
     download the second."""
-    size = 600 << 10
-    s = make_store(tmp_path, [size, size])
-    reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
-    a, b = (replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs)
-    limit = 2 * size + progress_file_size(len(samples(b))) - 1
+    s, reader, (a, b) = gated_shards(tmp_path, gate, 2)
+    limit = a.size + b.size + progress_file_size(len(samples(b))) - 1
     with s.cache(limit) as cache:
-        GATES[gate].set()
-        with cache.open(a, reader, stream=True):
-            pass
-        wait_for(lambda: cache.contains(a))
-        GATES[gate].clear()
+        cache_whole(cache, a, reader, gate)
         shard = cache.open(b, reader, stream=True)
         assert isinstance(shard, LandingShard)
         assert shard.wait(np.arange(3))  # b lands up to the gate: its temp file and progress file are there
@@ -466,17 +476,10 @@ def test_a_progress_file_a_killed_downloader_left_is_emptied_not_counted(tmp_pat
     """A progress file left non-empty (its downloader was killed; nobody holds its download lock)
     is emptied when room is reserved, instead of keeping that room from a tight cache; one whose
     download is in flight is left alone."""
-    size = 600 << 10
-    s = make_store(tmp_path, [size, size, size])
-    reader = Gated(s.remote.src, str(tmp_path / "reads.log"), gate_at=256 << 10, gate=gate)
-    a, b, c = (replace(r, samples=samples_of(reader.data(r.name))) for r in s.refs)
-    limit = 2 * size + progress_file_size(len(samples(b)))  # a, and b with its progress file
+    s, reader, (a, b, c) = gated_shards(tmp_path, gate, 3)
+    limit = a.size + b.size + progress_file_size(len(samples(b)))  # a, and b with its progress file
     with s.cache(limit) as cache:
-        GATES[gate].set()
-        with cache.open(a, reader, stream=True):
-            pass
-        wait_for(lambda: cache.contains(a))
-        GATES[gate].clear()
+        cache_whole(cache, a, reader, gate)
         locks = Path(s.cache_dir) / NS / ".locks"
         left = locks / "shards%2Fshard-000002.tar.landed"  # c's, as a killed downloader leaves it
         left.write_bytes(bytes(progress_file_size(len(samples(c)))))
